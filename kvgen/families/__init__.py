@@ -1,0 +1,1 @@
+"""Kernel families: one spec class per template, with its variants and default meta-parameters."""

@@ -1,0 +1,101 @@
+"""The MXFP4 MLA latent family: the store (quantize + scatter) and the gather (read + dequantize)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, ClassVar
+
+from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
+
+GROUPS = (16, 32, 64)
+# The latent widths every variant list covers; any multiple of the group up to 16384 can be
+# generated on demand. 448 is there because it is not a power of two.
+LATENTS = (256, 448, 512, 1024)
+FLOAT_DTYPES = ("bf16", "fp16", "fp32")
+LAYOUTS = ("paged", "flat")
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def row_bytes(latent: int, group: int) -> int:
+    return latent // 2 + latent // group
+
+
+def _latent_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 16384 and v % 16 == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _MXFP4Spec(VariantSpec):
+    group: int = axis("g", choices=GROUPS, default=32)
+    latent: int = axis("l", check=_latent_ok, doc="a multiple of 16 from 16 to 16384", default=512)
+
+    def check_combination(self) -> None:
+        if self.latent % self.group:
+            raise SpecError(
+                f"{self.family}: group={self.group} does not divide latent={self.latent}"
+            )
+
+    def derived(self) -> dict[str, Any]:
+        num_groups = self.latent // self.group
+        num_groups_pad = _next_pow2(num_groups)
+        return {
+            "num_groups": num_groups,
+            "num_groups_pad": num_groups_pad,
+            "half": self.latent // 2,
+            "half_pad": num_groups_pad * self.group // 2,
+            "row_bytes": row_bytes(self.latent, self.group),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreMXFP4MLASpec(_MXFP4Spec):
+    family: ClassVar[str] = "store_mxfp4_mla"
+    template: ClassVar[str] = "store_mxfp4_mla.py.j2"
+
+    in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
+    layout: str = axis("", choices=LAYOUTS, default="paged")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def derived(self) -> dict[str, Any]:
+        return super().derived() | {"torch_dtype": TORCH_DTYPE[self.in_dtype]}
+
+    def default_meta(self, num_tokens: int) -> dict[str, int]:
+        # About 8 KiB of input per program, at most 16 rows; the tuner refines this per arch.
+        row_in = self.latent * DTYPE_BYTES[self.in_dtype]
+        rows = max(1, min(16, _next_pow2(max(1, 8192 // row_in))))
+        return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMXFP4MLASpec(_MXFP4Spec):
+    family: ClassVar[str] = "gather_mxfp4_mla"
+    template: ClassVar[str] = "gather_mxfp4_mla.py.j2"
+
+    out_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
+    layout: str = axis("", choices=LAYOUTS, default="paged")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def derived(self) -> dict[str, Any]:
+        return super().derived() | {"torch_dtype": TORCH_DTYPE[self.out_dtype]}
+
+    def default_meta(self, num_rows: int) -> dict[str, int]:
+        rows = max(1, min(16, _next_pow2(max(1, 4096 // self.latent))))
+        return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}
+
+
+def variants(arch: str, target: str) -> list[VariantSpec]:
+    out: list[VariantSpec] = []
+    for cls in (StoreMXFP4MLASpec, GatherMXFP4MLASpec):
+        for group, latent, dt, layout in itertools.product(GROUPS, LATENTS, FLOAT_DTYPES, LAYOUTS):
+            if latent % group:
+                continue
+            out.append(cls(group, latent, dt, layout, arch, target))
+    return out

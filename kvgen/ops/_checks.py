@@ -1,0 +1,56 @@
+"""Argument checks shared by the ops: every failure names the argument and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float8_e4m3fn: "fp8e4m3",
+    torch.float8_e5m2: "fp8e5m2",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        want = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype {want}; got {t.dtype}")
+
+
+def ndim(name: str, t: torch.Tensor, n: int, shape_doc: str) -> None:
+    if t.ndim != n:
+        raise ValueError(f"{name} must be {n}-D {shape_doc}; got shape {tuple(t.shape)}")
+
+
+def same_device(**tensors: torch.Tensor) -> torch.device:
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all tensors must be on one device"
+            )
+    return first.device
+
+
+def int_arg(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value

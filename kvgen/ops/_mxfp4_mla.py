@@ -1,0 +1,161 @@
+"""The MXFP4 MLA latent store (vLLM's ``store_mxfp4_mla``) and its reader."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from kvgen import runtime
+from kvgen.codegen import load
+from kvgen.families.mxfp4_mla import (
+    GROUPS,
+    GatherMXFP4MLASpec,
+    StoreMXFP4MLASpec,
+    row_bytes,
+)
+from kvgen.ops import _checks as check
+
+GROUP_SIZE = 32
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def mxfp4_row_bytes(latent: int, group: int = GROUP_SIZE) -> int:
+    """Bytes of one MXFP4 cache row: ``latent / 2`` packed elements + ``latent / group`` scales."""
+    check.int_arg("latent", latent)
+    _check_group(latent, group)
+    return row_bytes(latent, group)
+
+
+def _check_group(latent: int, group: int) -> None:
+    check.int_arg("group", group)
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {group}")
+    if latent <= 0 or latent % group or latent % 16:
+        raise ValueError(
+            f"latent width {latent} must be a positive multiple of 16 divisible by group={group}"
+        )
+
+
+def _cache_geometry(cache: torch.Tensor, pitch: int) -> tuple[str, int, int, int]:
+    """(layout, num_slots, block_size, block_stride in bytes) of a cache, or a clear error."""
+    check.dtype("cache", cache, (torch.uint8,))
+    if cache.ndim == 3:
+        num_blocks, block_size, width = cache.shape
+        s0, s1, s2 = cache.stride()
+        if width != pitch or (block_size > 1 and s1 != pitch) or (width > 1 and s2 != 1):
+            raise ValueError(
+                f"paged cache {tuple(cache.shape)} with strides {cache.stride()} must be "
+                f"[num_blocks, block_size, {pitch}] with contiguous {pitch}-byte rows"
+            )
+        if num_blocks > 1 and (s0 % pitch or s0 < block_size * pitch):
+            raise ValueError(
+                f"paged cache block stride {s0} must be a whole number of {pitch}-byte rows "
+                f"and at least block_size * {pitch} = {block_size * pitch}"
+            )
+        return "paged", num_blocks * block_size, block_size, s0
+    if not cache.is_contiguous():
+        raise ValueError(
+            f"cache of shape {tuple(cache.shape)} must be the 3-D paged view or contiguous"
+        )
+    if cache.numel() % pitch:
+        raise ValueError(f"cache of {cache.numel()} bytes is not a whole number of {pitch}-byte rows")
+    num_slots = cache.numel() // pitch
+    return "flat", num_slots, num_slots, num_slots * pitch
+
+
+@lru_cache(maxsize=None)
+def _store_launcher(dt, latent, group, layout, device):
+    arch, target = runtime.target_of(device)
+    spec = StoreMXFP4MLASpec(group, latent, _DT[dt], layout, arch, target)
+    return spec, load(spec).launch
+
+
+@lru_cache(maxsize=None)
+def _gather_launcher(dt, latent, group, layout, device):
+    arch, target = runtime.target_of(device)
+    spec = GatherMXFP4MLASpec(group, latent, _DT[dt], layout, arch, target)
+    return spec, load(spec).launch
+
+
+def _slots(name: str, slots: object, n: int | None) -> torch.Tensor:
+    slots = check.tensor(name, slots)
+    check.dtype(name, slots, (torch.int32, torch.int64))
+    check.ndim(name, slots, 1, "[num_tokens]")
+    if n is not None and slots.shape[0] != n:
+        raise ValueError(f"{name} has {slots.shape[0]} entries but kv_c_normed has {n} tokens")
+    return slots
+
+
+def store_mxfp4_mla(
+    kv_c_normed: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cache: torch.Tensor,
+    group: int = GROUP_SIZE,
+) -> None:
+    """Quantize the MLA latent to MXFP4 and write it into the paged cache.
+
+    Args:
+        kv_c_normed: ``[num_tokens, latent]`` bf16, fp16 or fp32, the post-RMSNorm latent;
+            rows may be strided.
+        slot_mapping: ``[num_tokens]`` int32 or int64 global slot indices; negative entries
+            (``PAD_SLOT_ID``) and slots past the end of the cache are skipped.
+        cache: ``uint8``, either the paged ``[num_blocks, block_size, row_bytes(latent)]`` layer
+            view, whose block stride may exceed ``block_size`` rows when other layers' pages sit
+            between blocks, or any contiguous tensor viewable as ``[num_slots, row_bytes]``.
+        group: number of latent elements sharing one E8M0 scale (16, 32 or 64).
+
+    Every argument is checked before the cache is touched: a bad one raises ``TypeError`` or
+    ``ValueError`` naming it.
+    """
+    x = check.tensor("kv_c_normed", kv_c_normed)
+    check.dtype("kv_c_normed", x, _FLOATS)
+    check.ndim("kv_c_normed", x, 2, "[num_tokens, latent]")
+    num_tokens, latent = x.shape
+    slots = _slots("slot_mapping", slot_mapping, num_tokens)
+    cache = check.tensor("cache", cache)
+    _check_group(latent, group)
+    device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
+    layout, num_slots, block_size, block_stride = _cache_geometry(cache, row_bytes(latent, group))
+    if num_tokens == 0:
+        return
+    spec, launch = _store_launcher(x.dtype, latent, group, layout, device)
+    meta = runtime.meta_params(spec, num_tokens)
+    if layout == "paged":
+        launch(x, slots, cache, num_slots, block_size, block_stride, **meta)
+    else:
+        launch(x, slots, cache, num_slots, **meta)
+
+
+def gather_mxfp4_mla(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    latent: int,
+    group: int = GROUP_SIZE,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Read and dequantize the MXFP4 rows of ``slots`` from ``cache``.
+
+    Returns ``[len(slots), latent]`` of ``out_dtype`` (bf16, fp16 or fp32); a row whose slot is
+    negative or past the end of the cache is all zeros. ``cache`` takes the layouts
+    :func:`store_mxfp4_mla` takes.
+    """
+    cache = check.tensor("cache", cache)
+    slots = _slots("slots", slots, None)
+    check.int_arg("latent", latent)
+    _check_group(latent, group)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype must be one of {_FLOATS}, got {out_dtype}")
+    device = check.same_device(cache=cache, slots=slots)
+    layout, num_slots, block_size, block_stride = _cache_geometry(cache, row_bytes(latent, group))
+    out = torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
+    if slots.shape[0] == 0:
+        return out
+    spec, launch = _gather_launcher(out_dtype, latent, group, layout, device)
+    meta = runtime.meta_params(spec, slots.shape[0])
+    if layout == "paged":
+        launch(cache, slots, out, num_slots, block_size, block_stride, **meta)
+    else:
+        launch(cache, slots, out, num_slots, **meta)
+    return out
