@@ -12,16 +12,16 @@ import math
 
 import torch
 
+from kvgen import _dtypes
 from kvgen.codegen.spec import VariantSpec
 from kvgen.formats import mxfp4
 
 GUARD_BYTES = 4096
 POISON = 0xFF
-_TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH_DTYPE[name]
+    return _dtypes.TORCH[name]
 
 
 def edge_case_latents(

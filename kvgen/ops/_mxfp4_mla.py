@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import torch
 
-from kvgen import runtime
+from kvgen import _dtypes, runtime
 from kvgen.codegen import load
 from kvgen.families.mxfp4_mla import (
     GROUPS,
@@ -18,7 +18,6 @@ from kvgen.ops import _checks as check
 
 GROUP_SIZE = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def mxfp4_row_bytes(latent: int, group: int = GROUP_SIZE) -> int:
@@ -68,14 +67,14 @@ def _cache_geometry(cache: torch.Tensor, pitch: int) -> tuple[str, int, int, int
 @lru_cache(maxsize=None)
 def _store_launcher(dt, latent, group, layout, device):
     arch, target = runtime.target_of(device)
-    spec = StoreMXFP4MLASpec(group, latent, _DT[dt], layout, arch, target)
+    spec = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
     return spec, load(spec).launch
 
 
 @lru_cache(maxsize=None)
 def _gather_launcher(dt, latent, group, layout, device):
     arch, target = runtime.target_of(device)
-    spec = GatherMXFP4MLASpec(group, latent, _DT[dt], layout, arch, target)
+    spec = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
     return spec, load(spec).launch
 
 

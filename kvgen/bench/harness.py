@@ -1,0 +1,123 @@
+"""Timing on the GPU, as PERF.md says: CUDA graphs, rotated buffers, medians, same-run ceilings."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+
+import torch
+
+import kvgen
+
+L2_ROTATE_BYTES = 512 << 20  # rotate buffers until a pass touches this much (> 8x a 60 MiB L2)
+
+
+def sets_for(bytes_per_set: int, most: int = 64) -> int:
+    """How many buffer sets to rotate so that one pass over them spills the L2."""
+    return max(2, min(most, -(-L2_ROTATE_BYTES // max(1, bytes_per_set))))
+
+
+def graph_time_us(
+    step: Callable[[int], None],
+    n_sets: int,
+    calls: int | None = None,
+    replays: int = 20,
+    trials: int = 7,
+) -> float:
+    """Median time per call of ``step(i)`` (i cycling over the sets) replayed in one CUDA graph."""
+    calls = calls or max(n_sets, 32)
+    for i in range(n_sets):  # compile and warm up outside the capture
+        step(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for k in range(calls):
+                step(k % n_sets)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(trials):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    del graph
+    return statistics.median(per_call)
+
+
+def eager_time_us(step: Callable[[int], None], n_sets: int, iters: int = 200) -> float:
+    """Median-of-5 time per eager call, launch overhead included (what an unfused caller pays)."""
+    for i in range(n_sets):
+        step(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(5):
+        start.record()
+        for k in range(iters):
+            step(k % n_sets)
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(out)
+
+
+def copy_step(nbytes: int, device) -> tuple[Callable[[int], None], int]:
+    """A step that copies ``nbytes`` device-to-device (reads + writes = 2 * nbytes), rotated."""
+    nbytes = max(16, nbytes // 16 * 16)
+    n_sets = sets_for(2 * nbytes)
+    src = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device) for _ in range(n_sets)]
+    dst = [torch.empty_like(s) for s in src]
+
+    def step(i: int) -> None:
+        dst[i].copy_(src[i])
+
+    return step, n_sets
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = graph_time_us(lambda i: dst.copy_(src), 1, calls=4, replays=5)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (t * 1e-6)
+
+
+def environment(commit: str | None = None) -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if commit is None:
+        commit = os.environ.get("KVGEN_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "capability": f"sm{props.major}{props.minor}",
+        "kvgen": kvgen.__version__,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": commit,
+    }

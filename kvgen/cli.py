@@ -1,0 +1,216 @@
+"""The ``kvgen`` command line: list, gen, verify, bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="kvgen",
+    help="Generate, verify, benchmark and tune Triton kernels for quantized paged KV caches.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+ArchOpt = Annotated[
+    Optional[str],  # noqa: UP045 - typer needs Optional on 3.10
+    typer.Option("--arch", help="Target arch (sm80, sm89, sm90, sm100). Default: this machine's."),
+]
+TargetOpt = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--target", help="gpu or interp (Triton's CPU interpreter). Default: this machine's."),
+]
+NamesArg = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Argument(help="Variant or family names (default: every variant).", show_default=False),
+]
+
+
+def _use_interpreter_without_gpu() -> None:
+    """On a machine with no GPU, run kernels in Triton's interpreter (before any kernel loads)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _target(arch: str | None, target: str | None) -> tuple[str, str]:
+    from kvgen.codegen.spec import ARCHS, TARGETS
+    from kvgen.runtime import local_target
+
+    local_arch, local_tgt = local_target()
+    arch = arch or local_arch
+    target = target or local_tgt
+    if arch not in ARCHS:
+        raise typer.BadParameter(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if target not in TARGETS:
+        raise typer.BadParameter(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+    return arch, target
+
+
+def _specs(names, arch, target):
+    from kvgen import registry
+
+    if not names:
+        return registry.variants(arch, target)
+    try:
+        return registry.lookup(names, arch, target)
+    except KeyError as exc:
+        err.print(f"[red]error:[/] {exc.args[0]}")
+        raise typer.Exit(2) from None
+
+
+@app.command("list")
+def list_cmd(
+    arch: ArchOpt = None,
+    target: TargetOpt = None,
+    family: Annotated[Optional[str], typer.Option(help="Only this kernel family.")] = None,  # noqa: UP045
+) -> None:
+    """Print the name of every variant the registry can generate, one per line."""
+    _use_interpreter_without_gpu()
+    from kvgen import registry
+
+    arch, target = _target(arch, target)
+    if family is not None and family not in registry.families():
+        err.print(f"[red]error:[/] unknown family {family!r}; known: {', '.join(registry.families())}")
+        raise typer.Exit(2)
+    for spec in registry.variants(arch, target, family):
+        print(spec.name)
+
+
+@app.command("gen")
+def gen_cmd(
+    names: NamesArg = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the sources into.")] = Path(
+        "kvgen_generated"
+    ),
+    arch: ArchOpt = None,
+    target: TargetOpt = None,
+) -> None:
+    """Write the generated source of variants into a folder, for reading or review."""
+    _use_interpreter_without_gpu()
+    from kvgen.codegen import render, write_source
+
+    arch, target = _target(arch, target)
+    specs = _specs(names, arch, target)
+    written = 0
+    for spec in specs:
+        written += write_source(out / f"{spec.name}.py", render(spec))
+    err.print(f"{len(specs)} variants in {out}/ ({written} written, {len(specs) - written} unchanged)")
+
+
+@app.command("verify")
+def verify_cmd(
+    names: NamesArg = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print failures only.")] = False,
+) -> None:
+    """Run every variant against the pure-torch reference on this machine.
+
+    On a machine without a GPU the kernels run in Triton's CPU interpreter.
+    """
+    _use_interpreter_without_gpu()
+    import torch
+
+    from kvgen.verify import verify
+
+    arch, target = _target(None, None)
+    device = "cuda" if target == "gpu" else "cpu"
+    specs = _specs(names, arch, target)
+    table = Table(title=f"kvgen verify ({arch}, {target})")
+    for col in ("variant", "result", "mismatched", "max error", "detail"):
+        table.add_column(col, justify="right" if col in ("mismatched", "max error") else "left")
+    failed = 0
+    with console.status("verifying") as status:
+        for i, spec in enumerate(specs, 1):
+            status.update(f"[{i}/{len(specs)}] {spec.name}")
+            r = verify(spec, device)
+            failed += not r.passed
+            if not quiet or not r.passed:
+                table.add_row(
+                    r.name,
+                    "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+                    str(r.mismatched),
+                    f"{r.max_error:.3g}",
+                    r.detail,
+                )
+    if table.row_count:
+        console.print(table)
+    console.print(f"{len(specs) - failed} passed, {failed} failed")
+    del torch
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command("bench")
+def bench_cmd(
+    tokens: Annotated[
+        str, typer.Option(help="Comma-separated num_tokens values.")
+    ] = "1,16,256,4096,65536",
+    latent: Annotated[int, typer.Option(help="Latent width of the MXFP4 store.")] = 512,
+    group: Annotated[int, typer.Option(help="MXFP4 group size.")] = 32,
+    json_out: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--json", help="Write the results to this JSON file."),
+    ] = None,
+    commit: Annotated[Optional[str], typer.Option(help="Commit to record (default: git HEAD).")] = None,  # noqa: UP045
+) -> None:
+    """Time the store ops with CUDA graphs against a same-run device-to-device copy."""
+    import torch
+
+    if not torch.cuda.is_available():
+        err.print("[red]error:[/] kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
+        raise typer.Exit(2)
+    from kvgen.bench import harness, store
+
+    sizes = [int(t) for t in tokens.split(",") if t.strip()]
+    device = torch.device("cuda")
+    env = harness.environment(commit)
+    err.print(f"{env['device']}: measuring the copy ceiling ...")
+    copy_bw = harness.copy_bandwidth(device)
+    err.print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    table = Table(title=f"kvgen bench on {env['device']} (copy {copy_bw / 1e9:.0f} GB/s)")
+    for col in ("variant", "tokens", "graph us", "eager us", "GB/s", "x copy BW",
+                "copy us", "x copy time", "ok"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+
+    def progress(row):
+        err.print(f"  {row.variant} tokens={row.num_tokens}: {row.graph_us:.2f} us, "
+                  f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)")
+
+    rows = store.run(store.mxfp4_cases(device, sizes, latent, group), device, copy_bw, progress)
+    for r in rows:
+        table.add_row(r.variant, str(r.num_tokens), f"{r.graph_us:.2f}", f"{r.eager_us:.2f}",
+                      f"{r.gbps:.0f}", f"{r.bw_ratio:.3f}", f"{r.copy_graph_us:.2f}",
+                      f"{r.latency_ratio:.2f}", "yes" if r.correct else "[red]NO[/]")
+    console.print(table)
+    console.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
+    if json_out is not None:
+        from dataclasses import asdict
+
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"env": env, "copy_bandwidth_GBps": copy_bw / 1e9, "results": [asdict(r) for r in rows]}
+        json_out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        err.print(f"wrote {json_out}")
+    if not all(r.correct for r in rows):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    try:
+        app()
+    except BrokenPipeError:  # `kvgen list | head`
+        sys.stderr.close()
+
+
+if __name__ == "__main__":
+    main()
