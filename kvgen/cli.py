@@ -20,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 ArchOpt = Annotated[
     Optional[str],  # noqa: UP045 - typer needs Optional on 3.10

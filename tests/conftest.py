@@ -1,0 +1,24 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+# No GPU: run the generated kernels in Triton's CPU interpreter. Must be set before any
+# generated module is imported (triton.jit picks the interpreter at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# A fresh module cache per test session, so the generator itself is exercised every run.
+os.environ.setdefault("KVGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kvgen-test-cache-"))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def local_target():
+    from kvgen.runtime import local_target
+
+    return local_target()

@@ -1,0 +1,70 @@
+"""The command line: list, gen, verify and --help, as a user runs them."""
+
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kvgen import registry
+from kvgen.cli import app
+from kvgen.runtime import local_target
+
+runner = CliRunner()
+ARCH, TARGET = local_target()
+
+
+def test_list_names_every_variant():
+    result = runner.invoke(app, ["list"])
+    assert result.exit_code == 0, result.output
+    names = result.stdout.split()
+    assert names == [s.name for s in registry.variants(ARCH, TARGET)]
+    assert any("-l448-" in n for n in names)
+
+
+def test_list_family_and_arch():
+    result = runner.invoke(app, ["list", "--family", "gather_mxfp4_mla", "--arch", "sm80",
+                                 "--target", "gpu"])
+    assert result.exit_code == 0
+    assert result.stdout.split() and all(
+        n.startswith("gather_mxfp4_mla-") and n.endswith("-sm80-gpu") for n in result.stdout.split()
+    )
+    assert runner.invoke(app, ["list", "--arch", "sm75"]).exit_code != 0
+    assert runner.invoke(app, ["list", "--family", "nope"]).exit_code == 2
+
+
+def test_gen_writes_readable_sources(tmp_path):
+    name = f"store_mxfp4_mla-g32-l448-bf16-paged-{ARCH}-{TARGET}"
+    result = runner.invoke(app, ["gen", "--out", str(tmp_path), name])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / f"{name}.py").read_text()
+    assert "@triton.jit" in text and f"Variant: {name}" in text
+    again = runner.invoke(app, ["gen", "--out", str(tmp_path), name])
+    assert "0 written, 1 unchanged" in again.output
+
+
+def test_gen_unknown_name_suggests():
+    result = runner.invoke(app, ["gen", "store_mxfp4_mla-g32-l512-bf16-paged"])
+    assert result.exit_code == 2
+    assert "no variant or family" in result.output
+
+
+def test_verify_runs_variants_against_the_reference():
+    names = [f"store_mxfp4_mla-g64-l448-fp32-flat-{ARCH}-{TARGET}",
+             f"gather_mxfp4_mla-g16-l256-bf16-paged-{ARCH}-{TARGET}"]
+    result = runner.invoke(app, ["verify", *names])
+    assert result.exit_code == 0, result.output
+    assert "2 passed, 0 failed" in result.output
+
+
+@pytest.mark.parametrize("command", [[], ["list"], ["gen"], ["verify"], ["bench"]])
+def test_help(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0
+    assert "Usage" in result.output
+
+
+def test_python_dash_m():
+    out = subprocess.run([sys.executable, "-m", "kvgen", "list", "--family", "store_mxfp4_mla"],
+                         capture_output=True, text=True, check=True)
+    assert len(out.stdout.split()) == len(registry.variants(ARCH, TARGET, "store_mxfp4_mla"))

@@ -1,0 +1,153 @@
+"""The generator: specs validate themselves, names come from fields, modules are real files."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import jinja2
+import pytest
+
+import kvgen
+from kvgen import registry
+from kvgen.codegen import SpecError, load, render, template_hash
+from kvgen.codegen.render import module_path
+from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"group": 24},
+        {"group": True},
+        {"latent": 100},
+        {"latent": 512.0},
+        {"latent": 480, "group": 64},  # group does not divide latent
+        {"in_dtype": "fp64"},
+        {"layout": "hnd"},
+        {"arch": "sm75"},
+        {"target": "cpu"},
+    ],
+)
+def test_spec_rejects_unknown_values(kwargs):
+    with pytest.raises(SpecError) as info:
+        StoreMXFP4MLASpec(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert next(iter(kwargs)) in str(info.value)
+
+
+def test_spec_is_frozen_and_named_from_every_field():
+    spec = StoreMXFP4MLASpec(group=64, latent=448, in_dtype="fp32", layout="flat")
+    assert spec.name == "store_mxfp4_mla-g64-l448-fp32-flat-sm90-gpu"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.group = 32  # type: ignore[misc]
+    for value in spec.fields().values():
+        assert str(value) in spec.name
+
+
+def test_registry_names_are_unique_and_rebuild_their_spec():
+    specs = registry.variants("sm90", "gpu")
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    assert {s.family for s in specs} == {"store_mxfp4_mla", "gather_mxfp4_mla"}
+    for spec in specs:
+        assert type(spec)(**spec.fields()) == spec
+
+
+def test_registry_lookup_by_family_and_typo():
+    specs = registry.lookup(["gather_mxfp4_mla"], "sm90", "interp")
+    assert specs and all(s.family == "gather_mxfp4_mla" for s in specs)
+    with pytest.raises(KeyError, match="did you mean"):
+        registry.lookup(["store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpux"], "sm90", "gpu")
+
+
+def test_render_header_carries_the_spec():
+    spec = StoreMXFP4MLASpec(group=16, latent=256)
+    text = render(spec)
+    assert f"Variant: {spec.name}" in text
+    assert f"hash {template_hash(spec.template)}" in text
+    assert "    group = 16" in text and "    latent = 256" in text
+    assert f"kvgen {kvgen.__version__}" in text
+    compile(text, spec.name, "exec")
+
+
+def test_undefined_template_variable_is_an_error(monkeypatch):
+    spec = GatherMXFP4MLASpec()
+    monkeypatch.setattr(GatherMXFP4MLASpec, "derived", lambda self: {})
+    with pytest.raises(jinja2.UndefinedError):
+        render(spec)
+
+
+def test_module_cache_is_keyed_written_once_and_reused(local_target):
+    arch, target = local_target
+    spec = StoreMXFP4MLASpec(group=32, latent=256, arch=arch, target=target)
+    module = load(spec)
+    path = module_path(spec)
+    assert module.__file__ == str(path)
+    assert path.parent.name == f"store_mxfp4_mla-{template_hash(spec.template)}"
+    assert path.parent.parent.name == kvgen.__version__
+    assert load(spec) is module
+    mtime = path.stat().st_mtime_ns
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+    # Another process finds the same file and does not rewrite it.
+    code = textwrap.dedent(
+        f"""
+        from kvgen.codegen import load
+        from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
+        m = load(StoreMXFP4MLASpec(group=32, latent=256, arch={arch!r}, target={target!r}))
+        print(m.__file__)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), check=True)
+    assert out.stdout.strip() == str(path)
+    assert path.stat().st_mtime_ns == mtime
+
+
+def test_changed_text_is_rewritten_atomically(tmp_path):
+    from kvgen.codegen import write_source
+
+    target = tmp_path / "m.py"
+    assert write_source(target, "a = 1\n")
+    assert not write_source(target, "a = 1\n")
+    assert write_source(target, "a = 2\n")
+    assert target.read_text() == "a = 2\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.py"]
+
+
+def test_generated_code_passes_the_linter(tmp_path):
+    from kvgen.codegen import write_source
+
+    for spec in registry.variants("sm90", "gpu") + registry.variants("sm90", "interp"):
+        write_source(tmp_path / f"{spec.name}.py", render(spec))
+    ruff = [sys.executable, "-m", "ruff"]
+    args = ["--config", str(_pyproject()), str(tmp_path)] if _pyproject() else [str(tmp_path)]
+    check = subprocess.run([*ruff, "check", *args], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    fmt = subprocess.run([*ruff, "format", "--check", *args], capture_output=True, text=True)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def _pyproject():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    return path if path.exists() else None
+
+
+def test_importing_ops_does_not_import_optuna():
+    code = "import sys, kvgen.ops; assert 'optuna' not in sys.modules, 'optuna imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_templates_come_from_the_package():
+    import importlib.resources
+    from pathlib import Path
+
+    from kvgen._resources import templates_dir, tuned_configs_dir
+
+    assert templates_dir() == Path(str(importlib.resources.files("kvgen.templates")))
+    assert (templates_dir() / "store_mxfp4_mla.py.j2").is_file()
+    assert tuned_configs_dir() == Path(str(importlib.resources.files("kvgen.tuned_configs")))

@@ -1,0 +1,169 @@
+"""Every generated MXFP4 store and gather variant against the reference, byte for byte."""
+
+import warnings
+
+import pytest
+import torch
+
+from kvgen import registry
+from kvgen.codegen import load
+from kvgen.formats import mxfp4
+from kvgen.ops import gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
+from kvgen.runtime import local_target
+from kvgen.verify import GUARD_BYTES, POISON, edge_case_latents, make_cache, make_slots
+
+ARCH, TARGET = local_target()
+STORES = registry.variants(ARCH, TARGET, "store_mxfp4_mla")
+GATHERS = registry.variants(ARCH, TARGET, "gather_mxfp4_mla")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter overflow noise
+
+
+def _assert_guards_untouched(cache):
+    assert (cache.backing[:GUARD_BYTES] == POISON).all(), "guard before the cache was written"
+    assert (cache.backing[-GUARD_BYTES:] == POISON).all(), "guard after the cache was written"
+
+
+@pytest.mark.parametrize("spec", STORES, ids=lambda s: s.name)
+def test_store_variant_is_byte_exact(spec, device):
+    tokens = 40
+    pitch = mxfp4.row_bytes(spec.latent, spec.group)
+    x = edge_case_latents(tokens, spec.latent, spec.group, DTYPES[spec.in_dtype], seed=3)
+    cache = make_cache(spec.layout, 2 * tokens + 7, pitch, device, block_size=16, gap_rows=5)
+    num_slots = cache.view.shape[0] * (cache.view.shape[1] if spec.layout == "paged" else 1)
+    slots = make_slots(tokens, num_slots, device, seed=3)
+    want = _cpu_reference(cache, x, slots, spec.group)
+
+    store_mxfp4_mla(x.to(device), slots, cache.view, spec.group)
+
+    _assert_guards_untouched(cache)
+    got = cache.backing.cpu()
+    # Everything outside the written rows (skipped slots, gaps between blocks) is still poison,
+    # and every written row equals the reference.
+    assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("spec", GATHERS, ids=lambda s: s.name)
+def test_gather_variant_matches_reference(spec, device):
+    tokens = 40
+    pitch = mxfp4.row_bytes(spec.latent, spec.group)
+    x = edge_case_latents(tokens, spec.latent, spec.group, torch.float32, seed=4)
+    cache = make_cache(spec.layout, 2 * tokens + 7, pitch, "cpu", block_size=8, gap_rows=2)
+    num_slots = cache.view.shape[0] * (cache.view.shape[1] if spec.layout == "paged" else 1)
+    slots = make_slots(tokens, num_slots, "cpu", seed=4)
+    mxfp4.store(x, slots, cache.view, spec.group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = mxfp4.gather(cache.view, slots, spec.latent, spec.group).to(DTYPES[spec.out_dtype])
+
+    backing = cache.backing.to(device)
+    view = backing.as_strided(cache.view.shape, cache.view.stride(), cache.view.storage_offset())
+    out = torch.full((tokens, spec.latent), float("nan"), dtype=DTYPES[spec.out_dtype], device=device)
+    module = load(spec)
+    args = [view, slots.to(device), out, num_slots]
+    if spec.layout == "paged":
+        args += [view.shape[1], view.stride(0)]
+    module.launch(*args, **spec.default_meta(tokens))
+    got = out.cpu()
+    assert not want.isnan().any()
+    assert not got.isnan().any(), "an output element was left unwritten (still NaN)"
+    assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
+    assert torch.equal(backing.cpu(), cache.backing), "the reader wrote into the cache"
+    # The public entry point gives the same values.
+    public = gather_mxfp4_mla(view, slots.to(device), spec.latent, spec.group, DTYPES[spec.out_dtype])
+    assert torch.equal(public.cpu(), got)
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("col_stride", [1, 2])
+def test_strided_rows_and_slot_dtypes(device, slot_dtype, col_stride):
+    latent, group, tokens = 512, 32, 24
+    wide = torch.randn(tokens, latent * col_stride + 96, device=device).to(torch.bfloat16)
+    x = wide[:, : latent * col_stride : col_stride]  # row stride > latent, maybe column stride 2
+    assert x.stride() == (latent * col_stride + 96, col_stride)
+    cache = make_cache("paged", 64, 272, device, block_size=16, gap_rows=16)
+    slots_all = make_slots(2 * tokens, 64, device, dtype=slot_dtype)
+    slots = slots_all[::2]  # a non-contiguous slot mapping
+    want = _cpu_reference(cache, x, slots, group)
+    store_mxfp4_mla(x, slots, cache.view, group)
+    assert torch.equal(cache.backing.cpu(), want)
+    _assert_guards_untouched(cache)
+
+
+def _cpu_reference(cache, x, slots, group):
+    ref = cache.fresh_copy()
+    ref_backing = ref.backing.cpu()
+    ref_view = ref_backing.as_strided(cache.view.shape, cache.view.stride(),
+                                      cache.view.storage_offset())
+    mxfp4.store(x.cpu(), slots.cpu(), ref_view, group)
+    return ref_backing
+
+
+@pytest.mark.parametrize("block_size,gap_rows", [(1, 0), (1, 3), (16, 0), (64, 64), (256, 1)])
+def test_paged_block_strides(device, block_size, gap_rows):
+    latent, group, tokens = 256, 16, 33
+    x = torch.randn(tokens, latent, device=device)
+    cache = make_cache("paged", 300, mxfp4.row_bytes(latent, group), device, block_size, gap_rows)
+    slots = make_slots(tokens, cache.view.shape[0] * block_size, device, seed=block_size)
+    want = _cpu_reference(cache, x, slots, group)
+    store_mxfp4_mla(x, slots, cache.view, group)
+    assert torch.equal(cache.backing.cpu(), want)
+
+
+@pytest.mark.parametrize("shape", ["1d", "2d", "4d"])
+def test_flat_cache_shapes(device, shape):
+    latent, group, tokens = 448, 32, 20
+    pitch = mxfp4_row_bytes(latent, group)
+    backing = torch.full((2 * GUARD_BYTES + 64 * pitch,), POISON, dtype=torch.uint8, device=device)
+    flat = backing[GUARD_BYTES : GUARD_BYTES + 64 * pitch]
+    cache = {"1d": flat, "2d": flat.view(64, pitch), "4d": flat.view(4, 2, 8, pitch)}[shape]
+    x = torch.randn(tokens, latent, device=device).to(torch.float16)
+    slots = make_slots(tokens, 64, device)
+    want = backing.cpu().clone()
+    mxfp4.store(x.cpu(), slots.cpu(), want[GUARD_BYTES : GUARD_BYTES + 64 * pitch], group)
+    store_mxfp4_mla(x, slots, cache, group)
+    assert torch.equal(backing.cpu(), want)
+
+
+def test_zero_tokens_write_nothing(device):
+    cache = make_cache("paged", 32, 272, device)
+    before = cache.backing.clone()
+    store_mxfp4_mla(torch.empty(0, 512, device=device), torch.empty(0, dtype=torch.int64,
+                    device=device), cache.view)
+    assert torch.equal(cache.backing, before)
+
+
+def test_64bit_offsets(device):
+    """Rows past byte 2^31 of the cache, in both layouts."""
+    latent, group = 512, 32
+    pitch = mxfp4.row_bytes(latent, group)
+    num_slots = (2**31) // pitch + 64
+    try:
+        cache = torch.empty(num_slots * pitch, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.fail("could not allocate a 2 GiB cache for the 64-bit offset test")
+    tail = cache[-80 * pitch :]
+    tail.fill_(POISON)
+    x = torch.randn(6, latent, device=device).to(torch.bfloat16)
+    slots = torch.tensor([num_slots - 1, num_slots - 40, -1, num_slots, num_slots - 50,
+                          (2**31) // pitch + 1], device=device)
+    store_mxfp4_mla(x, slots, cache, group)
+    rows = mxfp4.quantize_rows(x.cpu(), group)
+    flat = cache.view(-1, pitch)
+    for i in (0, 1, 4, 5):
+        assert torch.equal(flat[slots[i]].cpu(), rows[i]), f"slot {int(slots[i])}"
+    written = {int(s) for s in slots[[0, 1, 4, 5]]}
+    for s in range(num_slots - 80, num_slots):
+        if s not in written:
+            assert (flat[s] == POISON).all(), f"slot {s} was written"
+
+    # The paged view of the same memory: 2 blocks whose second starts past 2^31.
+    block_size = 64
+    block_stride = (num_slots - block_size) * pitch
+    paged = cache.as_strided((2, block_size, pitch), (block_stride, pitch, 1))
+    tail.fill_(POISON)
+    store_mxfp4_mla(x[:2], torch.tensor([block_size + 5, block_size + 63], device=device),
+                    paged, group)
+    assert torch.equal(paged[1, 5].cpu(), rows[0]) and torch.equal(paged[1, 63].cpu(), rows[1])
+    del cache
