@@ -151,3 +151,38 @@ def test_templates_come_from_the_package():
     assert templates_dir() == Path(str(importlib.resources.files("kvgen.templates")))
     assert (templates_dir() / "store_mxfp4_mla.py.j2").is_file()
     assert tuned_configs_dir() == Path(str(importlib.resources.files("kvgen.tuned_configs")))
+
+
+def _non_constexpr_globals_used_in_kernels(source: str) -> set[str]:
+    """Module-level names that a @triton.jit function reads but that are not tl.constexpr(...).
+
+    Triton on the GPU refuses such globals while the CPU interpreter accepts them, so this
+    check stands in for the GPU compiler on machines without one.
+    """
+    import ast
+
+    tree = ast.parse(source)
+    plain_globals = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            value = node.value
+            is_constexpr = (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "constexpr"
+            )
+            if not is_constexpr:
+                plain_globals.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    used = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(
+            ast.unparse(d).startswith("triton.jit") for d in node.decorator_list
+        ):
+            used |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return used & plain_globals
+
+
+def test_kernels_read_only_constexpr_globals():
+    for spec in registry.variants("sm90", "gpu") + registry.variants("sm90", "interp"):
+        bad = _non_constexpr_globals_used_in_kernels(render(spec))
+        assert not bad, f"{spec.name}: kernel reads non-constexpr globals {bad}"

@@ -86,11 +86,24 @@ def copy_step(nbytes: int, device) -> tuple[Callable[[int], None], int]:
     return step, n_sets
 
 
+def warm_up(device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a while so clocks leave their idle state before anything is timed."""
+    import time
+
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    t = graph_time_us(lambda i: dst.copy_(src), 1, calls=4, replays=5)
+    warm_up(device)
+    t = graph_time_us(lambda i: dst.copy_(src), 1, calls=4, replays=10)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / (t * 1e-6)
