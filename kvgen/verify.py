@@ -102,8 +102,9 @@ def make_cache(
             (blocks, block_size, pitch), (stride_rows * pitch, pitch, 1), GUARD_BYTES
         )
     else:
-        backing = torch.full((GUARD_BYTES * 2 + num_slots * pitch,), POISON, dtype=torch.uint8,
-                             device=device)
+        backing = torch.full(
+            (GUARD_BYTES * 2 + num_slots * pitch,), POISON, dtype=torch.uint8, device=device
+        )
         view = backing[GUARD_BYTES : GUARD_BYTES + num_slots * pitch].view(num_slots, pitch)
     return GuardedCache(backing, view)
 
@@ -177,8 +178,13 @@ def verify_gather_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int =
     err = (got.float() - want.float()).abs().nan_to_num(math.inf)
     max_error = float(err.max()) if err.numel() else 0.0
     untouched = bool((dev_cache.backing.cpu() == cache.backing).all())
-    return Result(spec.name, mismatched == 0 and untouched, mismatched, max_error,
-                  "" if untouched else "cache modified by a reader")
+    return Result(
+        spec.name,
+        mismatched == 0 and untouched,
+        mismatched,
+        max_error,
+        "" if untouched else "cache modified by a reader",
+    )
 
 
 VERIFIERS = {

@@ -23,8 +23,9 @@ def test_list_names_every_variant():
 
 
 def test_list_family_and_arch():
-    result = runner.invoke(app, ["list", "--family", "gather_mxfp4_mla", "--arch", "sm80",
-                                 "--target", "gpu"])
+    result = runner.invoke(
+        app, ["list", "--family", "gather_mxfp4_mla", "--arch", "sm80", "--target", "gpu"]
+    )
     assert result.exit_code == 0
     assert result.stdout.split() and all(
         n.startswith("gather_mxfp4_mla-") and n.endswith("-sm80-gpu") for n in result.stdout.split()
@@ -50,8 +51,10 @@ def test_gen_unknown_name_suggests():
 
 
 def test_verify_runs_variants_against_the_reference():
-    names = [f"store_mxfp4_mla-g64-l448-fp32-flat-{ARCH}-{TARGET}",
-             f"gather_mxfp4_mla-g16-l256-bf16-paged-{ARCH}-{TARGET}"]
+    names = [
+        f"store_mxfp4_mla-g64-l448-fp32-flat-{ARCH}-{TARGET}",
+        f"gather_mxfp4_mla-g16-l256-bf16-paged-{ARCH}-{TARGET}",
+    ]
     result = runner.invoke(app, ["verify", *names])
     assert result.exit_code == 0, result.output
     assert "2 passed, 0 failed" in result.output
@@ -65,6 +68,10 @@ def test_help(command):
 
 
 def test_python_dash_m():
-    out = subprocess.run([sys.executable, "-m", "kvgen", "list", "--family", "store_mxfp4_mla"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvgen", "list", "--family", "store_mxfp4_mla"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert len(out.stdout.split()) == len(registry.variants(ARCH, TARGET, "store_mxfp4_mla"))

@@ -100,8 +100,13 @@ def test_module_cache_is_keyed_written_once_and_reused(local_target):
         print(m.__file__)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ), check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        check=True,
+    )
     assert out.stdout.strip() == str(path)
     assert path.stat().st_mtime_ns == mtime
 
@@ -186,3 +191,14 @@ def test_kernels_read_only_constexpr_globals():
     for spec in registry.variants("sm90", "gpu") + registry.variants("sm90", "interp"):
         bad = _non_constexpr_globals_used_in_kernels(render(spec))
         assert not bad, f"{spec.name}: kernel reads non-constexpr globals {bad}"
+
+
+def test_project_sources_pass_the_linter():
+    root = _pyproject()
+    if root is None:  # an installed copy without the checkout around it
+        pytest.skip("needs the source checkout")
+    paths = [str(root.parent / p) for p in ("kvgen", "tests", "benchmarks")]
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", *paths], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout

@@ -1,4 +1,4 @@
-"""Bad input raises a clear TypeError/ValueError naming the argument, before any cache byte moves."""
+"""Bad input raises a TypeError/ValueError naming the argument, before any cache byte moves."""
 
 import pytest
 import torch
@@ -35,8 +35,14 @@ def test_slot_mapping(good):
     _raises(cache, TypeError, "slot_mapping must have dtype", x, slots.float(), cache.view)
     _raises(cache, TypeError, "slot_mapping must have dtype", x, slots.to(torch.int16), cache.view)
     _raises(cache, ValueError, "slot_mapping must be 1-D", x, slots[None], cache.view)
-    _raises(cache, ValueError, "slot_mapping has 7 entries but kv_c_normed has 8", x, slots[:7],
-            cache.view)
+    _raises(
+        cache,
+        ValueError,
+        "slot_mapping has 7 entries but kv_c_normed has 8",
+        x,
+        slots[:7],
+        cache.view,
+    )
 
 
 def test_cache_dtype_and_geometry(good, device):
@@ -50,8 +56,14 @@ def test_cache_dtype_and_geometry(good, device):
     _raises(cache, ValueError, "whole number of 272-byte rows", x, slots, odd_block)
     overlap = cache.backing.as_strided((2, 16, 272), (8 * 272, 272, 1))
     _raises(cache, ValueError, "at least block_size", x, slots, overlap)
-    _raises(cache, ValueError, "not a whole number of 272-byte rows", x, slots,
-            cache.backing[: 272 * 10 + 1])
+    _raises(
+        cache,
+        ValueError,
+        "not a whole number of 272-byte rows",
+        x,
+        slots,
+        cache.backing[: 272 * 10 + 1],
+    )
     not_contig = cache.backing[: 272 * 40].view(40, 272)[::2]
     _raises(cache, ValueError, "paged view or contiguous", x, slots, not_contig)
 
@@ -69,8 +81,14 @@ def test_group(good):
 def test_devices_must_match(good):
     x, slots, cache = good
     _raises(cache, ValueError, "slot_mapping is on meta", x, slots.to("meta"), cache.view)
-    _raises(cache, ValueError, "cache is on meta", x, slots,
-            torch.empty(4, 16, 272, dtype=torch.uint8, device="meta"))
+    _raises(
+        cache,
+        ValueError,
+        "cache is on meta",
+        x,
+        slots,
+        torch.empty(4, 16, 272, dtype=torch.uint8, device="meta"),
+    )
 
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):

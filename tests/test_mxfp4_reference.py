@@ -76,7 +76,9 @@ def test_packing_low_nibble_first():
 
 def test_decode_is_the_nearest_grid_value_ties_down():
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 256, generator=gen) * torch.exp2(torch.randint(-30, 30, (64, 1), generator=gen))
+    x = torch.randn(64, 256, generator=gen) * torch.exp2(
+        torch.randint(-30, 30, (64, 1), generator=gen)
+    )
     rows = mxfp4.quantize_rows(x, 32)
     deq = mxfp4.dequantize_rows(rows, 256, 32)
     scale = torch.exp2(rows[:, 128:].double() - 127).repeat_interleave(32, 1)

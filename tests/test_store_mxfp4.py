@@ -59,7 +59,9 @@ def test_gather_variant_matches_reference(spec, device):
 
     backing = cache.backing.to(device)
     view = backing.as_strided(cache.view.shape, cache.view.stride(), cache.view.storage_offset())
-    out = torch.full((tokens, spec.latent), float("nan"), dtype=DTYPES[spec.out_dtype], device=device)
+    out = torch.full(
+        (tokens, spec.latent), float("nan"), dtype=DTYPES[spec.out_dtype], device=device
+    )
     module = load(spec)
     args = [view, slots.to(device), out, num_slots]
     if spec.layout == "paged":
@@ -71,7 +73,9 @@ def test_gather_variant_matches_reference(spec, device):
     assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
     assert torch.equal(backing.cpu(), cache.backing), "the reader wrote into the cache"
     # The public entry point gives the same values.
-    public = gather_mxfp4_mla(view, slots.to(device), spec.latent, spec.group, DTYPES[spec.out_dtype])
+    public = gather_mxfp4_mla(
+        view, slots.to(device), spec.latent, spec.group, DTYPES[spec.out_dtype]
+    )
     assert torch.equal(public.cpu(), got)
 
 
@@ -94,8 +98,9 @@ def test_strided_rows_and_slot_dtypes(device, slot_dtype, col_stride):
 def _cpu_reference(cache, x, slots, group):
     ref = cache.fresh_copy()
     ref_backing = ref.backing.cpu()
-    ref_view = ref_backing.as_strided(cache.view.shape, cache.view.stride(),
-                                      cache.view.storage_offset())
+    ref_view = ref_backing.as_strided(
+        cache.view.shape, cache.view.stride(), cache.view.storage_offset()
+    )
     mxfp4.store(x.cpu(), slots.cpu(), ref_view, group)
     return ref_backing
 
@@ -129,8 +134,11 @@ def test_flat_cache_shapes(device, shape):
 def test_zero_tokens_write_nothing(device):
     cache = make_cache("paged", 32, 272, device)
     before = cache.backing.clone()
-    store_mxfp4_mla(torch.empty(0, 512, device=device), torch.empty(0, dtype=torch.int64,
-                    device=device), cache.view)
+    store_mxfp4_mla(
+        torch.empty(0, 512, device=device),
+        torch.empty(0, dtype=torch.int64, device=device),
+        cache.view,
+    )
     assert torch.equal(cache.backing, before)
 
 
@@ -146,8 +154,10 @@ def test_64bit_offsets(device):
     tail = cache[-80 * pitch :]
     tail.fill_(POISON)
     x = torch.randn(6, latent, device=device).to(torch.bfloat16)
-    slots = torch.tensor([num_slots - 1, num_slots - 40, -1, num_slots, num_slots - 50,
-                          (2**31) // pitch + 1], device=device)
+    slots = torch.tensor(
+        [num_slots - 1, num_slots - 40, -1, num_slots, num_slots - 50, (2**31) // pitch + 1],
+        device=device,
+    )
     store_mxfp4_mla(x, slots, cache, group)
     rows = mxfp4.quantize_rows(x.cpu(), group)
     flat = cache.view(-1, pitch)
@@ -163,7 +173,8 @@ def test_64bit_offsets(device):
     block_stride = (num_slots - block_size) * pitch
     paged = cache.as_strided((2, block_size, pitch), (block_stride, pitch, 1))
     tail.fill_(POISON)
-    store_mxfp4_mla(x[:2], torch.tensor([block_size + 5, block_size + 63], device=device),
-                    paged, group)
+    store_mxfp4_mla(
+        x[:2], torch.tensor([block_size + 5, block_size + 63], device=device), paged, group
+    )
     assert torch.equal(paged[1, 5].cpu(), rows[0]) and torch.equal(paged[1, 63].cpu(), rows[1])
     del cache

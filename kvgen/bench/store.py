@@ -57,8 +57,10 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         out_bytes = t * pitch
         n_sets = harness.sets_for(in_bytes + blocks * BLOCK_SIZE * pitch)
         xs = [torch.randn(t, latent, device=device).to(dtype) for _ in range(n_sets)]
-        caches = [torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device)
-                  for _ in range(n_sets)]
+        caches = [
+            torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device)
+            for _ in range(n_sets)
+        ]
         slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
 
         def step(i, xs=xs, slots=slots, caches=caches):

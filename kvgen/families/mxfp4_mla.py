@@ -1,4 +1,4 @@
-"""The MXFP4 MLA latent family: the store (quantize + scatter) and the gather (read + dequantize)."""
+"""The MXFP4 MLA latent family: the store (quantize + scatter) and the gather (dequantize)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def group_exponents(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """Encode ``x`` ([tokens, latent], any float dtype) into cache rows: [tokens, row_bytes] uint8."""
+    """Encode ``x`` ([tokens, latent], any float dtype) as cache rows [tokens, row_bytes] uint8."""
     tokens, latent = x.shape
     if latent % group or group % 2:
         raise ValueError(f"group {group} must be even and divide latent {latent}")
@@ -95,7 +95,9 @@ def _slot_index(cache: torch.Tensor, slots: torch.Tensor, pitch: int):
     return rows, valid, index(slots[valid])
 
 
-def store(x: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, group: int = 32) -> None:
+def store(
+    x: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor, group: int = 32
+) -> None:
     """Reference store: write the encoded row of token i to slot ``slot_mapping[i]`` in place.
 
     Negative slots (PAD_SLOT_ID) and slots ``>= num_slots`` are skipped.
@@ -110,5 +112,7 @@ def gather(cache: torch.Tensor, slots: torch.Tensor, latent: int, group: int = 3
     """Reference read: fp32 [len(slots), latent] on the CPU; rows of invalid slots are zeros."""
     rows, valid, index = _slot_index(cache, slots, row_bytes(latent, group))
     out = torch.zeros(slots.shape[0], latent)
-    out[valid] = dequantize_rows(rows[tuple(i.to(cache.device) for i in index)].cpu(), latent, group)
+    out[valid] = dequantize_rows(
+        rows[tuple(i.to(cache.device) for i in index)].cpu(), latent, group
+    )
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -53,25 +53,35 @@ def _cache_geometry(cache: torch.Tensor, pitch: int) -> tuple[str, int, int, int
                 f"paged cache block stride {s0} must be a whole number of {pitch}-byte rows "
                 f"and at least block_size * {pitch} = {block_size * pitch}"
             )
-        return "paged", num_blocks * block_size, block_size, s0
+        return "paged", _slot_count(num_blocks * block_size), block_size, s0
     if not cache.is_contiguous():
         raise ValueError(
             f"cache of shape {tuple(cache.shape)} must be the 3-D paged view or contiguous"
         )
     if cache.numel() % pitch:
-        raise ValueError(f"cache of {cache.numel()} bytes is not a whole number of {pitch}-byte rows")
-    num_slots = cache.numel() // pitch
+        raise ValueError(
+            f"cache of {cache.numel()} bytes is not a whole number of {pitch}-byte rows"
+        )
+    num_slots = _slot_count(cache.numel() // pitch)
     return "flat", num_slots, num_slots, num_slots * pitch
 
 
-@lru_cache(maxsize=None)
+def _slot_count(num_slots: int) -> int:
+    # Slots are 32-bit inside the kernels (byte offsets are 64-bit): 2^31 slots of MXFP4 rows
+    # would be hundreds of GB per layer, far past any real cache.
+    if num_slots >= 2**31:
+        raise ValueError(f"cache has {num_slots} slots; kvgen supports fewer than 2^31")
+    return num_slots
+
+
+@cache
 def _store_launcher(dt, latent, group, layout, device):
     arch, target = runtime.target_of(device)
     spec = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
     return spec, load(spec).launch
 
 
-@lru_cache(maxsize=None)
+@cache
 def _gather_launcher(dt, latent, group, layout, device):
     arch, target = runtime.target_of(device)
     spec = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
