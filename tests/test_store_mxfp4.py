@@ -178,3 +178,36 @@ def test_64bit_offsets(device):
     )
     assert torch.equal(paged[1, 5].cpu(), rows[0]) and torch.equal(paged[1, 63].cpu(), rows[1])
     del cache
+
+
+def test_scale_exponent_at_every_boundary(device):
+    """Group peaks a few ulps around 1.5 * 2^e and 2^e for every exponent, subnormals, inf.
+
+    The kernel reads the E8M0 exponent off amax's bits; the reference divides by 6 and takes
+    ceil(log2) of the quotient's bits. They must agree everywhere.
+    """
+    group, latent = 32, 256
+    peaks = []
+    for e in range(-149, 128):
+        for base in (1.0, 1.5):
+            center = torch.tensor(base * 2.0**e, dtype=torch.float32).view(torch.int32)
+            peaks += (center + torch.arange(-2, 3, dtype=torch.int32)).tolist()
+    peaks = torch.tensor(peaks, dtype=torch.int32).view(torch.float32)
+    peaks = peaks[torch.isfinite(peaks) & (peaks > 0)]
+    peaks = torch.cat([peaks, torch.tensor([float("inf"), 2.0**-149, 6 * 2.0**-126])])
+    groups_per_row = latent // group
+    rows = -(-peaks.numel() // groups_per_row)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(rows * groups_per_row, group, generator=gen) * 0.99
+    padded = torch.ones(rows * groups_per_row)
+    padded[: peaks.numel()] = peaks
+    x = x * padded[:, None]
+    x[:, 0] = padded * torch.where(torch.arange(padded.numel()) % 2 == 0, 1.0, -1.0)
+    x = x.nan_to_num(nan=0.0).reshape(rows, latent)
+    pitch = mxfp4.row_bytes(latent, group)
+    cache = make_cache("flat", rows, pitch, device)
+    slots = torch.arange(rows, device=device)
+    want = _cpu_reference(cache, x, slots, group)
+    store_mxfp4_mla(x.to(device), slots, cache.view, group)
+    got = cache.backing.cpu()
+    assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
