@@ -15,8 +15,13 @@ device = torch.device("cuda")
 copy_bw = harness.copy_bandwidth(device)
 print(f"copy {copy_bw / 1e9:.0f} GB/s")
 tokens = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "1,16,65536").split(",")]
-for dtype, latent in [(torch.bfloat16, 512), (torch.float32, 512), (torch.bfloat16, 448)]:
-    for rows, warps in itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)):
+for dtype, latent in [
+    (torch.bfloat16, 512),
+    (torch.float32, 512),
+    (torch.float16, 512),
+    (torch.bfloat16, 448),
+]:
+    for rows, warps in itertools.product((1, 2, 4, 8), (1, 2, 4)):
         runtime.meta_params = lambda spec, n, r=rows, w=warps: {  # noqa: E731
             "rows_per_program": r,
             "num_warps": w,

@@ -4,6 +4,9 @@ One cache row per slot: ``[latent/2 packed element bytes][latent/group scale byt
 
 >>> row_bytes(512, 32)
 272
+
+The contract covers finite inputs (latents are); for inf and NaN this reference still gives
+bytes, but kernels are not held to them.
 """
 
 from __future__ import annotations
