@@ -105,7 +105,9 @@ def _cpu_reference(cache, x, slots, group):
     return ref_backing
 
 
-@pytest.mark.parametrize("block_size,gap_rows", [(1, 0), (1, 3), (16, 0), (64, 64), (256, 1)])
+@pytest.mark.parametrize(
+    "block_size,gap_rows", [(1, 0), (1, 3), (5, 2), (16, 0), (24, 0), (64, 64), (256, 1)]
+)
 def test_paged_block_strides(device, block_size, gap_rows):
     latent, group, tokens = 256, 16, 33
     x = torch.randn(tokens, latent, device=device)
