@@ -7,5 +7,24 @@ and compiled on first use for each specialisation, then reused.
 """
 
 from kvgen.ops._mxfp4_mla import GROUP_SIZE, gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
+from kvgen.ops._per_token_head import (
+    gather_kv_per_token_head,
+    triton_reshape_and_cache_flash_int4_per_token_head,
+    triton_reshape_and_cache_flash_per_token_head_quant,
+)
 
-__all__ = ["GROUP_SIZE", "gather_mxfp4_mla", "mxfp4_row_bytes", "store_mxfp4_mla"]
+# Shorter names for the two vLLM seed ops.
+store_kv_per_token_head = triton_reshape_and_cache_flash_per_token_head_quant
+store_kv_int4_per_token_head = triton_reshape_and_cache_flash_int4_per_token_head
+
+__all__ = [
+    "GROUP_SIZE",
+    "gather_kv_per_token_head",
+    "gather_mxfp4_mla",
+    "mxfp4_row_bytes",
+    "store_kv_int4_per_token_head",
+    "store_kv_per_token_head",
+    "store_mxfp4_mla",
+    "triton_reshape_and_cache_flash_int4_per_token_head",
+    "triton_reshape_and_cache_flash_per_token_head_quant",
+]

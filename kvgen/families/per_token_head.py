@@ -1,0 +1,120 @@
+"""Per-token-head KV stores: int8 / fp8 (one fp32 scale per token and head) and int4 with
+Gaussian-friendly levels (one fp16 scale per group of channels)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from kvgen.codegen.spec import ARCHS, TARGETS, VariantSpec, axis
+from kvgen.families.mxfp4_mla import FLOAT_DTYPES, TORCH_DTYPE
+from kvgen.formats.per_token_head import INT4_BOUNDARIES
+
+FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
+INT4_CHANNELS = (16, 32, 64, 128)
+# (head_size, head_size_v) pairs every variant list covers; other sizes generate on demand.
+HEAD_SIZES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512))
+
+# cache dtype per format: torch name, triton name, QMAX, mantissa bits, exponent bias,
+# bits of the smallest normal
+_FMT = {
+    "int8": ("int8", "int8", 127.0, 0, 0, 0),
+    "fp8e4m3": ("float8_e4m3fn", "float8e4nv", 448.0, 3, 7, 0x3C800000),
+    "fp8e5m2": ("float8_e5m2", "float8e5", 57344.0, 2, 15, 0x38800000),
+}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _head_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024
+
+
+def default_heads_per_program(num_heads: int, head_size: int) -> int:
+    # About 1024 channels of K per program, at most all heads of the token.
+    return max(1, min(_next_pow2(num_heads), _next_pow2(max(1, 1024 // head_size))))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreKVPerTokenHeadSpec(VariantSpec):
+    family: ClassVar[str] = "store_kv_per_token_head"
+    template: ClassVar[str] = "store_kv_per_token_head.py.j2"
+
+    fmt: str = axis("", choices=FORMATS, default="int8")
+    head_size: int = axis("d", check=_head_ok, doc="an int from 1 to 1024", default=128)
+    head_size_v: int = axis("dv", check=_head_ok, doc="an int from 1 to 1024", default=128)
+    in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def derived(self) -> dict[str, Any]:
+        torch_name, tl_name, qmax, mant, bias, min_normal = _FMT[self.fmt]
+        return {
+            "torch_dtype": TORCH_DTYPE[self.in_dtype],
+            "cache_torch_dtype": torch_name,
+            "tl_cache_dtype": tl_name,
+            "qmax": repr(qmax),
+            "min_scale": "1e-06",
+            "mant_bits": mant,
+            "exp_bias": bias,
+            "min_normal_bits": f"0x{min_normal:X}",
+            "fp8_shift": 23 - mant,
+            "fp8_round": (1 << (22 - mant)) - 1,
+            "fp8_rebias": (127 - bias) << mant,
+            "fp8_sub_scale": repr(2.0 ** (bias + mant - 1)),
+            "fp8_min_normal": repr(2.0 ** (1 - bias)),
+            "head_pad": _next_pow2(self.head_size),
+            "head_v_pad": _next_pow2(self.head_size_v),
+        }
+
+    def default_meta(self, size: tuple[int, int]) -> dict[str, int]:
+        num_tokens, num_heads = size
+        heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
+        return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreKVInt4Spec(VariantSpec):
+    family: ClassVar[str] = "store_kv_int4_per_token_head"
+    template: ClassVar[str] = "store_kv_int4_per_token_head.py.j2"
+
+    channels: int = axis("c", choices=INT4_CHANNELS, default=32)
+    head_size: int = axis("d", check=_head_ok, doc="an int from 1 to 1024", default=128)
+    head_size_v: int = axis("dv", check=_head_ok, doc="an int from 1 to 1024", default=128)
+    in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def derived(self) -> dict[str, Any]:
+        def groups(d: int) -> int:
+            return -(-d // self.channels)
+
+        return {
+            "torch_dtype": TORCH_DTYPE[self.in_dtype],
+            "groups": groups(self.head_size),
+            "groups_v": groups(self.head_size_v),
+            "groups_pad": _next_pow2(groups(self.head_size)),
+            "groups_v_pad": _next_pow2(groups(self.head_size_v)),
+            "packed": -(-self.head_size // 2),
+            "packed_v": -(-self.head_size_v // 2),
+            "min_scale": "1e-06",
+            "boundaries": [repr(b) for b in INT4_BOUNDARIES],
+        }
+
+    def default_meta(self, size: tuple[int, int]) -> dict[str, int]:
+        num_tokens, num_heads = size
+        heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
+        return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
+
+
+def variants(arch: str, target: str) -> list[VariantSpec]:
+    out: list[VariantSpec] = []
+    for d, dv in HEAD_SIZES:
+        for dt in FLOAT_DTYPES:
+            for fmt in FORMATS:
+                out.append(StoreKVPerTokenHeadSpec(fmt, d, dv, dt, arch, target))
+            for c in INT4_CHANNELS:
+                out.append(StoreKVInt4Spec(c, d, dv, dt, arch, target))
+    return out
