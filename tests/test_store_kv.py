@@ -1,0 +1,160 @@
+"""Per-token-head KV stores (int8, fp8 e4m3/e5m2, int4) against the reference, byte for byte."""
+
+import pytest
+import torch
+
+from kvgen import registry
+from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec
+from kvgen.formats import per_token_head as ref
+from kvgen.ops import (
+    gather_kv_per_token_head,
+    store_kv_int4_per_token_head,
+    store_kv_per_token_head,
+    triton_reshape_and_cache_flash_int4_per_token_head,
+    triton_reshape_and_cache_flash_per_token_head_quant,
+)
+from kvgen.runtime import local_target
+from kvgen.verify import GUARD_BYTES, POISON, edge_case_heads, make_kv_caches, make_slots
+
+ARCH, TARGET = local_target()
+VARIANTS = [
+    s for s in registry.variants(ARCH, TARGET)
+    if s.family in ("store_kv_per_token_head", "store_kv_int4_per_token_head")
+]  # fmt: skip
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _same(a, b):
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _op(spec):
+    if spec.family == "store_kv_int4_per_token_head":
+        return triton_reshape_and_cache_flash_int4_per_token_head
+    return triton_reshape_and_cache_flash_per_token_head_quant
+
+
+def _run_and_compare(spec, device, tokens, heads, block_size, layout="nhd", joint=False, seed=0,
+                     num_blocks=None, slots=None):  # fmt: skip
+    dt = DTYPES[spec.in_dtype]
+    key = edge_case_heads(tokens, heads, spec.head_size, dt, seed)
+    value = edge_case_heads(tokens, heads, spec.head_size_v, dt, seed + 1)
+    num_blocks = num_blocks or -(-2 * tokens // block_size) + 1
+    caches = make_kv_caches(spec, num_blocks, block_size, heads, device, layout, joint)
+    if slots is None:
+        slots = make_slots(tokens, num_blocks * block_size, device, seed=seed)
+    # One reference copy per distinct backing buffer (K and V may share one).
+    backings = {id(c.backing): c.backing for c in caches}
+    expected = {k: b.cpu().clone() for k, b in backings.items()}
+    views = [c.rebuild(expected[id(c.backing)]) for c in caches]
+    ref.store(key, value, *views, slots.cpu())
+
+    _op(spec)(key.to(device), value.to(device), *[c.view for c in caches], slots)
+
+    for k, b in backings.items():
+        got = b.cpu()
+        assert (got[:GUARD_BYTES] == POISON).all() and (got[-GUARD_BYTES:] == POISON).all()
+        assert torch.equal(got, expected[k]), f"{int((got != expected[k]).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
+def test_variant_is_byte_exact(spec, device):
+    _run_and_compare(spec, device, tokens=12, heads=3, block_size=8)
+
+
+LAYOUT_SPECS = [
+    StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", ARCH, TARGET),
+    StoreKVPerTokenHeadSpec("fp8e4m3", 128, 128, "fp16", ARCH, TARGET),
+    StoreKVPerTokenHeadSpec("fp8e5m2", 96, 96, "fp32", ARCH, TARGET),
+    StoreKVInt4Spec(32, 128, 128, "bf16", ARCH, TARGET),
+]
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd", "kv_split"])
+@pytest.mark.parametrize("spec", LAYOUT_SPECS, ids=lambda s: s.name)
+def test_cache_layouts(spec, layout, device):
+    _run_and_compare(spec, device, tokens=10, heads=4, block_size=16, layout=layout)
+
+
+@pytest.mark.parametrize("spec", LAYOUT_SPECS[:3], ids=lambda s: s.name)
+def test_scales_as_views_into_one_allocation(spec, device):
+    _run_and_compare(spec, device, tokens=10, heads=2, block_size=16, joint=True)
+
+
+@pytest.mark.parametrize("block_size,heads", [(1, 1), (5, 2), (16, 8), (256, 1), (16, 64)])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_block_sizes_and_head_counts(fmt, block_size, heads, device):
+    spec = (StoreKVInt4Spec(16, 64, 64, "bf16", ARCH, TARGET) if fmt == "int4"
+            else StoreKVPerTokenHeadSpec("int8", 64, 64, "bf16", ARCH, TARGET))  # fmt: skip
+    _run_and_compare(spec, device, tokens=6, heads=heads, block_size=block_size)
+
+
+def test_different_head_sizes_not_powers_of_two(device):
+    for spec in (StoreKVPerTokenHeadSpec("fp8e4m3", 80, 96, "bf16", ARCH, TARGET),
+                 StoreKVInt4Spec(64, 192, 80, "fp16", ARCH, TARGET)):  # fmt: skip
+        _run_and_compare(spec, device, tokens=5, heads=2, block_size=4)
+
+
+def test_int32_slots_and_aliases(device):
+    spec = StoreKVPerTokenHeadSpec("int8", 64, 64, "fp32", ARCH, TARGET)
+    slots = make_slots(8, 40, device, dtype=torch.int32, seed=5)
+    _run_and_compare(spec, device, tokens=8, heads=2, block_size=8, num_blocks=5, slots=slots)
+    assert store_kv_per_token_head is triton_reshape_and_cache_flash_per_token_head_quant
+    assert store_kv_int4_per_token_head is triton_reshape_and_cache_flash_int4_per_token_head
+
+
+def test_64bit_offsets(device):
+    """A cache past 2^31 bytes; rows written near its end."""
+    heads, d, block_size = 1, 128, 16
+    num_blocks = (2**31) // (block_size * d) + 4
+    kc = torch.empty(num_blocks, block_size, heads, d, dtype=torch.int8, device=device)
+    vc = torch.empty(num_blocks, block_size, heads, d, dtype=torch.int8, device=device)
+    ks = torch.zeros(num_blocks, block_size, heads, device=device)
+    vs = torch.zeros(num_blocks, block_size, heads, device=device)
+    key = torch.randn(3, heads, d, device=device)
+    value = torch.randn(3, heads, d, device=device)
+    last = num_blocks * block_size
+    slots = torch.tensor([last - 1, last - 20, -1], device=device)
+    store_kv_per_token_head(key, value, kc, vc, ks, vs, slots)
+    q, s = ref.quantize_per_token_head(key.cpu(), torch.int8)
+    for i in range(2):
+        b, r = int(slots[i]) // block_size, int(slots[i]) % block_size
+        assert torch.equal(kc[b, r].cpu(), q[i]) and torch.equal(ks[b, r].cpu(), s[i])
+
+
+@pytest.mark.parametrize("spec", LAYOUT_SPECS + [StoreKVInt4Spec(16, 80, 64, "fp32", ARCH,
+                                                                  TARGET)],
+                         ids=lambda s: s.name)  # fmt: skip
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gather_reads_back_the_reference(spec, out_dtype, device):
+    tokens, heads, block_size = 9, 2, 4
+    dt = DTYPES[spec.in_dtype]
+    key = edge_case_heads(tokens, heads, spec.head_size, dt, 7)
+    value = edge_case_heads(tokens, heads, spec.head_size_v, dt, 8)
+    caches = make_kv_caches(spec, 6, block_size, heads, device, "hnd")
+    slots = make_slots(tokens, 24, device, seed=7)
+    _op(spec)(key.to(device), value.to(device), *[c.view for c in caches], slots)
+    k, v = gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size,
+                                    spec.head_size_v, out_dtype)  # fmt: skip
+    want_k = ref.gather(caches[0].view.cpu(), caches[2].view.cpu(), slots.cpu(), spec.head_size)
+    want_v = ref.gather(caches[1].view.cpu(), caches[3].view.cpu(), slots.cpu(), spec.head_size_v)
+    # int4's fp16 scales overflow for |x| > 65504 (inf scale, NaN for level 0): both agree.
+    assert _same(k.cpu(), want_k.to(out_dtype)) and _same(v.cpu(), want_v.to(out_dtype))
+    assert (k[slots.cpu() < 0] == 0).all()
+
+
+def test_quantization_error_is_bounded():
+    """Round trip through the reference: int8 within half a step, fp8 within its ulp."""
+    x = torch.randn(64, 4, 128)
+    for dtype, rel in ((torch.int8, 0.5 / 127), (torch.float8_e4m3fn, 2**-4),
+                       (torch.float8_e5m2, 2**-3)):  # fmt: skip
+        q, s = ref.quantize_per_token_head(x, dtype)
+        err = (ref.dequantize_per_token_head(q, s) - x).abs()
+        bound = x.abs().amax(-1, keepdim=True) * rel if dtype == torch.int8 else x.abs() * rel
+        assert (err <= bound + 1e-7).all()
+    packed, scales = ref.quantize_int4(x, 32)
+    back = ref.dequantize_int4(packed, scales, 128)
+    assert ((back - x).abs() <= x.abs().reshape(64, 4, 4, 32).amax(-1).repeat_interleave(32, -1)
+            * 0.16).all()  # fmt: skip
