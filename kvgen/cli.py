@@ -119,6 +119,14 @@ def gen_cmd(
 def verify_cmd(
     names: NamesArg = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print failures only.")] = False,
+    accuracy: Annotated[
+        bool,
+        typer.Option(
+            "--accuracy",
+            help="Print SNR and max error of every format on Gaussian and heavy-tailed data "
+            "instead (to pick a format).",
+        ),
+    ] = False,
 ) -> None:
     """Run every variant against the pure-torch reference on this machine.
 
@@ -126,6 +134,10 @@ def verify_cmd(
     """
     _use_interpreter_without_gpu()
     import torch
+
+    if accuracy:
+        _accuracy()
+        return
 
     from kvgen.verify import verify
 
@@ -157,11 +169,31 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
+def _accuracy() -> None:
+    from kvgen.verify import accuracy_table
+
+    with console.status("quantizing"):
+        rows = accuracy_table()
+    data_names = list(dict.fromkeys(r["data"] for r in rows))
+    table = Table(title="quantize -> dequantize: SNR dB (max |error| / row absmax)")
+    table.add_column("format")
+    for d in data_names:
+        table.add_column(d, justify="right")
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        cells = {r["data"]: r for r in rows if r["format"] == fmt}
+        table.add_row(fmt, *(f"{cells[d]['snr_db']:.1f} ({cells[d]['max_err_amax']:.3f})"
+                             for d in data_names))  # fmt: skip
+    console.print(table)
+
+
 @app.command("bench")
 def bench_cmd(
     tokens: Annotated[
         str, typer.Option(help="Comma-separated num_tokens values.")
     ] = "1,16,256,4096,65536",
+    ops: Annotated[
+        str, typer.Option(help="Comma-separated ops: mxfp4, int8, fp8e4m3, fp8e5m2, int4.")
+    ] = "mxfp4,int8,fp8e4m3,int4",
     latent: Annotated[int, typer.Option(help="Latent width of the MXFP4 store.")] = 512,
     group: Annotated[int, typer.Option(help="MXFP4 group size.")] = 32,
     json_out: Annotated[
@@ -172,7 +204,11 @@ def bench_cmd(
         str | None, typer.Option(help="Commit to record (default: git HEAD).")
     ] = None,
 ) -> None:
-    """Time the store ops with CUDA graphs against a same-run device-to-device copy."""
+    """Time the store ops with CUDA graphs against a same-run device-to-device copy.
+
+    MXFP4: latent 512, group 32, bf16, block 64. Per-token-head: 8 heads x 128 and 1 head x 576,
+    bf16, block 16 (int4 with 32 channels per scale).
+    """
     import torch
 
     if not torch.cuda.is_available():
@@ -210,7 +246,20 @@ def bench_cmd(
             f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)"
         )
 
-    rows = store.run(store.mxfp4_cases(device, sizes, latent, group), device, copy_bw, progress)
+    import itertools
+
+    wanted = [o.strip() for o in ops.split(",") if o.strip()]
+    unknown = set(wanted) - {"mxfp4", "int8", "fp8e4m3", "fp8e5m2", "int4"}
+    if unknown:
+        err.print(f"[red]error:[/] unknown ops {sorted(unknown)}")
+        raise typer.Exit(2)
+    cases = []
+    if "mxfp4" in wanted:
+        cases.append(store.mxfp4_cases(device, sizes, latent, group))
+    for fmt in (o for o in wanted if o != "mxfp4"):
+        for heads, head_size in store.KV_SHAPES:
+            cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
+    rows = store.run(itertools.chain(*cases), device, copy_bw, progress)
     for r in rows:
         table.add_row(
             r.variant,

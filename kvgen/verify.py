@@ -266,9 +266,14 @@ def edge_case_heads(tokens: int, heads: int, head_size: int, dtype, seed: int = 
         torch.cat([torch.tensor([127.0]), torch.arange(d - 1) % 64 - 31.5]),  # int8 ties
         torch.cat([torch.tensor([448.0]), torch.linspace(-1.9375, 1.9375, d - 1) * 8]),
         torch.cat([torch.tensor([448.0]), torch.arange(d - 1) * 2.0**-9]),  # fp8 subnormals
-        torch.cat([torch.tensor([1.0]), torch.tensor(
-            [0.024863, 0.100270, 0.204019, 0.315684, 0.442468, 0.599833, 0.844438]
-        ).repeat(d)[: d - 1]]),  # int4 boundaries at scale 1
+        torch.cat(
+            [
+                torch.tensor([1.0]),
+                torch.tensor(
+                    [0.024863, 0.100270, 0.204019, 0.315684, 0.442468, 0.599833, 0.844438]
+                ).repeat(d)[: d - 1],
+            ]
+        ),  # int4 boundaries at scale 1
         torch.randn(d, generator=gen) * torch.where(torch.arange(d) % 17 == 3, 50.0, 1.0),
         torch.randn(d, generator=gen) * finfo.smallest_normal * 4,  # tiny, subnormal products
         -torch.zeros(d),
@@ -297,21 +302,20 @@ def verify_store_kv(spec, device, tokens: int = 24, heads: int = 3, seed: int = 
     block_size = 8
     caches = make_kv_caches(spec, -(-2 * tokens // block_size), block_size, heads, device)
     slots = make_slots(tokens, caches[0].view.shape[0] * block_size, device, seed=seed)
-    expected = [c.backing.cpu().clone() for c in caches]
-    ref.store(key, value, *[c.rebuild(b) for c, b in zip(caches, expected)], slots.cpu())
+    expected = [c.backing.cpu().clone() for c in caches]  # nhd: one buffer per cache
+    want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
+    ref.store(key, value, *want, slots.cpu())
     op(key.to(device), value.to(device), *[c.view for c in caches], slots)
-    mismatched = 0
-    for c, want in zip(caches, expected):
-        mismatched += int((c.backing.cpu() != want).sum())
+    mismatched = sum(
+        int((c.backing.cpu() != w).sum()) for c, w in zip(caches, expected, strict=True)
+    )
     max_error = 0.0
     if mismatched:
-        for (c, w), hs in zip(((caches[0], expected[0]), (caches[1], expected[1])),
-                              (spec.head_size, spec.head_size_v)):  # fmt: skip
-            s_idx = 2 if c is caches[0] else 3
-            got = ref.gather(c.view.cpu(), caches[s_idx].view.cpu(), slots.cpu(), hs)
-            want = ref.gather(c.rebuild(w), caches[s_idx].rebuild(expected[s_idx]), slots.cpu(),
-                              hs)  # fmt: skip
-            max_error = max(max_error, float((got - want).abs().nan_to_num(math.inf).max()))
+        for cache_i, scale_i, hs in ((0, 2, spec.head_size), (1, 3, spec.head_size_v)):
+            got = ref.gather(caches[cache_i].view.cpu(), caches[scale_i].view.cpu(),
+                             slots.cpu(), hs)  # fmt: skip
+            exp = ref.gather(want[cache_i], want[scale_i], slots.cpu(), hs)
+            max_error = max(max_error, float((got - exp).abs().nan_to_num(math.inf).max()))
     return Result(spec.name, mismatched == 0, mismatched, max_error)
 
 
@@ -332,3 +336,45 @@ def verify(spec: VariantSpec, device) -> Result:
             return VERIFIERS[spec.family](spec, device)
     except Exception as exc:  # a crash is a failed variant, reported, not a dead table
         return Result(spec.name, False, -1, math.inf, f"{type(exc).__name__}: {exc}")
+
+
+def accuracy_table(rows: int = 2048, width: int = 512, seed: int = 0) -> list[dict]:
+    """SNR (dB) and max error of quantize -> dequantize for every format, on three data sets.
+
+    Runs the pure-torch references, which every kernel matches byte for byte (the tests show
+    it). "max err / amax" is the largest |x - x_hat| over the absolute maximum of its row.
+    """
+    from kvgen.formats import mxfp4
+    from kvgen.formats import per_token_head as pth
+
+    gen = torch.Generator().manual_seed(seed)
+    gauss = torch.randn(rows, width, generator=gen)
+    t3 = torch.distributions.StudentT(3.0).sample((rows, width))
+    outliers = torch.randn(rows, width, generator=gen)
+    cols = torch.randint(0, width, (rows, 4), generator=gen)
+    outliers.scatter_(1, cols, outliers.gather(1, cols).sign() * 50.0)
+    datasets = {"gaussian": gauss, "student-t(3)": t3, "50x outlier channels": outliers}
+
+    formats = {}
+    for dtype, name in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8 e4m3"),
+                        (torch.float8_e5m2, "fp8 e5m2")):  # fmt: skip
+        formats[f"{name} per token-head"] = lambda x, d=dtype: pth.dequantize_per_token_head(
+            *pth.quantize_per_token_head(x, d)
+        )
+    for c in pth.INT4_CHANNELS:
+        formats[f"int4 levels, {c} ch/scale"] = lambda x, c=c: pth.dequantize_int4(
+            *pth.quantize_int4(x, c), x.shape[-1]
+        )
+    for g in (16, 32, 64):
+        formats[f"mxfp4, group {g}"] = lambda x, g=g: mxfp4.dequantize_rows(
+            mxfp4.quantize_rows(x, g), x.shape[-1], g
+        )
+    table = []
+    for fmt, roundtrip in formats.items():
+        for data_name, x in datasets.items():
+            xh = roundtrip(x)
+            err = x - xh
+            snr = 10 * math.log10(float((x**2).sum()) / max(float((err**2).sum()), 1e-30))
+            rel = float((err.abs() / x.abs().amax(-1, keepdim=True)).max())
+            table.append({"format": fmt, "data": data_name, "snr_db": snr, "max_err_amax": rel})
+    return table

@@ -75,3 +75,18 @@ def test_python_dash_m():
         check=True,
     )
     assert len(out.stdout.split()) == len(registry.variants(ARCH, TARGET, "store_mxfp4_mla"))
+
+
+def test_verify_accuracy_table():
+    result = runner.invoke(app, ["verify", "--accuracy"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    for fmt in ("int8 per token-head", "fp8 e4m3", "int4 levels, 32 ch/scale", "mxfp4, group 32"):
+        assert fmt in result.output
+    assert "student-t(3)" in result.output and "outlier" in result.output
+
+
+def test_verify_kv_variant():
+    name = f"store_kv_int4_per_token_head-c16-d80-dv80-bf16-{ARCH}-{TARGET}"
+    result = runner.invoke(app, ["verify", name])
+    assert result.exit_code == 0, result.output
+    assert "1 passed, 0 failed" in result.output

@@ -50,7 +50,12 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
     specs = registry.variants("sm90", "gpu")
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
-    assert {s.family for s in specs} == {"store_mxfp4_mla", "gather_mxfp4_mla"}
+    assert {s.family for s in specs} == {
+        "store_mxfp4_mla",
+        "gather_mxfp4_mla",
+        "store_kv_per_token_head",
+        "store_kv_int4_per_token_head",
+    }
     for spec in specs:
         assert type(spec)(**spec.fields()) == spec
 

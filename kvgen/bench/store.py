@@ -94,3 +94,68 @@ def run(cases, device, copy_bw: float, progress=None) -> list[Row]:
             progress(row)
         torch.cuda.empty_cache()
     return rows
+
+
+KV_SHAPES = ((8, 128), (1, 576))  # (num_kv_heads, head_size), head_size_v = head_size
+KV_BLOCK_SIZE = 16
+
+
+def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=torch.bfloat16):
+    """The per-token-head stores: ``fmt`` int8, fp8e4m3, fp8e5m2 or int4 (32 channels/scale)."""
+    from kvgen.formats import per_token_head as ref
+    from kvgen.ops import (
+        triton_reshape_and_cache_flash_int4_per_token_head as store_int4,
+    )
+    from kvgen.ops import (
+        triton_reshape_and_cache_flash_per_token_head_quant as store_quant,
+    )
+
+    cache_dtype = {"int8": torch.int8, "fp8e4m3": torch.float8_e4m3fn,
+                   "fp8e5m2": torch.float8_e5m2, "int4": torch.uint8}[fmt]  # fmt: skip
+    int4 = fmt == "int4"
+    width = -(-head_size // 2) if int4 else head_size
+    groups = -(-head_size // 32)
+    for t in tokens:
+        blocks = -(-t // KV_BLOCK_SIZE) + 1
+        in_bytes = 2 * t * heads * head_size * dtype.itemsize + t * 8
+        out_bytes = 2 * t * heads * (width + (groups * 2 if int4 else 4))
+        cache_bytes = 2 * blocks * KV_BLOCK_SIZE * heads * (width + 8)
+        n_sets = harness.sets_for(in_bytes + cache_bytes)
+
+        def make(blocks=blocks):
+            c = torch.zeros(blocks, KV_BLOCK_SIZE, heads, width, dtype=torch.uint8, device=device)
+            c = c.view(cache_dtype)
+            if int4:
+                s = torch.zeros(blocks, KV_BLOCK_SIZE, heads, groups, dtype=torch.float16,
+                                device=device)  # fmt: skip
+            else:
+                s = torch.zeros(blocks, KV_BLOCK_SIZE, heads, device=device)
+            return c, s
+
+        sets = []
+        for _ in range(n_sets):
+            k = torch.randn(t, heads, head_size, device=device).to(dtype)
+            v = torch.randn(t, heads, head_size, device=device).to(dtype)
+            (kc, ks), (vc, vs) = make(), make()
+            slots = torch.randperm(blocks * KV_BLOCK_SIZE, device=device)[:t]
+            sets.append((k, v, kc, vc, ks, vs, slots))
+        op = store_int4 if int4 else store_quant
+
+        def step(i, sets=sets, op=op):
+            op(*sets[i])
+
+        def check(sets=sets, op=op, t=t):
+            k, v, kc, vc, ks, vs, slots = sets[0]
+            n = min(t, 4096)  # the reference runs on the CPU: check a prefix of the tokens
+            k, v, slots = torch.randn_like(k[:n]), torch.randn_like(v[:n]), slots[:n]
+            op(k, v, kc, vc, ks, vs, slots)
+            want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
+            ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
+            got = [x.cpu() for x in (kc, vc, ks, vs)]
+            return all(
+                torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+                for g, w in zip(got, want, strict=True)
+            )
+
+        name = f"store_kv_{fmt}-h{heads}-d{head_size}-{str(dtype)[6:]}"
+        yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check)
