@@ -77,8 +77,13 @@ def test_python_dash_m():
     assert len(out.stdout.split()) == len(registry.variants(ARCH, TARGET, "store_mxfp4_mla"))
 
 
-def test_verify_accuracy_table():
-    result = runner.invoke(app, ["verify", "--accuracy"], env={"COLUMNS": "160"})
+def test_verify_accuracy_table(monkeypatch):
+    from rich.console import Console
+
+    import kvgen.cli
+
+    monkeypatch.setattr(kvgen.cli, "console", Console(width=200))
+    result = runner.invoke(app, ["verify", "--accuracy"])
     assert result.exit_code == 0, result.output
     for fmt in ("int8 per token-head", "fp8 e4m3", "int4 levels, 32 ch/scale", "mxfp4, group 32"):
         assert fmt in result.output
