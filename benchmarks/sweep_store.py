@@ -21,7 +21,7 @@ for dtype, latent in [
     (torch.bfloat16, 448),
 ]:
     for rows, warps in [(1, 2), (1, 4), (1, 8), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4)]:
-        runtime.meta_params = lambda spec, n, r=rows, w=warps: {  # noqa: E731
+        runtime.meta_params = lambda spec, r=rows, w=warps, **size: {  # noqa: E731
             "rows_per_program": r,
             "num_warps": w,
             "num_stages": 1,

@@ -290,6 +290,152 @@ def bench_cmd(
         raise typer.Exit(1)
 
 
+@app.command("tune")
+def tune_cmd(
+    names: NamesArg = None,
+    arch: Annotated[str, typer.Option(help="Arch to tune for; must be this GPU's.")] = "sm90",
+    trials: Annotated[int, typer.Option(help="Trials per (variant, bucket) study.")] = 40,
+    timeout: Annotated[float | None, typer.Option(help="Wall-clock budget in seconds.")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe (default), grid or random.")] = "tpe",
+    storage: Annotated[
+        str | None,
+        typer.Option(
+            help="Optuna storage: a URL (sqlite:///f.db, postgresql://...) or a "
+            "journal file (default ~/.cache/kvgen/tune/<arch>.journal)."
+        ),
+    ] = None,
+    buckets: Annotated[
+        str | None, typer.Option(help="Only these num_tokens buckets (comma-separated).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="tuned_configs folder to write (default: the package's).")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Tune although this GPU is not --arch.")] = False,
+) -> None:
+    """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
+
+    Every trial is checked against the reference and timed with CUDA graphs; an interrupted
+    run resumes from its storage.
+    """
+    import time
+
+    import torch
+
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        err.print("[red]error:[/] kvgen tune needs optuna: pip install 'kvgen[tune]'")
+        raise typer.Exit(2) from None
+    if not torch.cuda.is_available():
+        err.print("[red]error:[/] kvgen tune needs a CUDA GPU")
+        raise typer.Exit(2)
+    from kvgen._resources import tuned_configs_dir
+    from kvgen.bench import harness
+    from kvgen.codegen.render import cache_root
+    from kvgen.runtime import local_target
+    from kvgen.space import load_space
+    from kvgen.tune import problems, tuner
+
+    here, _ = local_target()
+    if here != arch and not force:
+        err.print(f"[red]error:[/] this GPU is {here}, not {arch}; pass --force to tune anyway")
+        raise typer.Exit(2)
+    specs = [s for s in _specs(names, arch, "gpu") if problems.tunable(s.family)]
+    if not names:  # by default: the variants the benchmarks use
+        specs = [s for s in specs if _default_tuned(s)]
+    want = {int(b) for b in buckets.split(",")} if buckets else None
+    store = tuner.storage_from(storage, cache_root() / "tune" / f"{arch}.journal")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    env = harness.environment()
+    results: dict[str, list] = {}
+    jobs = []
+    for spec in specs:
+        space = load_space(spec.template)
+        for bucket in space.bucket_list():
+            if want is None or bucket["num_tokens"] in want:
+                if "num_heads" in bucket and not _heads_fit(spec, bucket["num_heads"]):
+                    continue
+                jobs.append((spec, space, bucket))
+    err.print(f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}")
+    for i, (spec, space, bucket) in enumerate(jobs, 1):
+        label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
+
+        def show(r, label=label):
+            best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
+            err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
+
+        evaluate = problems.gpu_evaluator(spec, bucket)
+        r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
+                            n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
+        speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
+        err.print(
+            f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
+            f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
+            f"{f', x{speedup:.2f}' if speedup else ''}; {r.failed} failed)"
+        )
+        results.setdefault(spec.family, []).append(r)
+        torch.cuda.empty_cache()
+        if deadline is not None and time.monotonic() > deadline:
+            err.print("wall-clock budget spent; writing what was found")
+            break
+    for family, rs in results.items():
+        path = tuner.write_results(out or tuned_configs_dir(), arch, family, rs, env,
+                                   sampler, trials)  # fmt: skip
+        err.print(f"wrote {path}")
+
+
+def _default_tuned(spec) -> bool:
+    f = spec.fields()
+    if spec.family == "store_mxfp4_mla":
+        return f["latent"] == 512 and f["layout"] == "paged"
+    return f["in_dtype"] == "bf16" and (f["head_size"], f["head_size_v"]) in (
+        (128, 128),
+        (576, 512),
+    )
+
+
+def _heads_fit(spec, heads: int) -> bool:
+    return (spec.head_size >= 512) == (heads == 1)
+
+
+@app.command("show")
+def show_cmd(
+    arch: Annotated[str | None, typer.Argument(help="Arch (default: this machine's).")] = None,
+) -> None:
+    """Print the tuned configs of an arch as a table."""
+    import json
+
+    from kvgen import configs
+    from kvgen._resources import tuned_configs_dir
+
+    arch = arch or _target(None, None)[0]
+    folders = [tuned_configs_dir() / arch]
+    override = os.environ.get(configs.OVERRIDE_ENV)
+    if override:
+        folders.insert(0, Path(override) / arch)
+    files = [p for f in folders if f.is_dir() for p in sorted(f.glob("*.json"))]
+    if not files:
+        err.print(f"no tuned configs for {arch} (looked in {', '.join(map(str, folders))})")
+        raise typer.Exit(1)
+    for path in files:
+        doc = json.loads(path.read_text())
+        errors = configs.validate(doc, arch, path.stem)
+        if errors:
+            err.print(f"[yellow]{path}: invalid ({'; '.join(errors[:3])})[/]")
+            continue
+        prov, env = doc["provenance"], doc["env"]
+        table = Table(title=f"{path} ({env['device']}, {prov['sampler']}, {prov['date']})")
+        for col in ("variant", "bucket", "meta", "us", "default us", "speedup"):
+            table.add_column(col, justify="right" if "us" in col or col == "speedup" else "left")
+        for variant, buckets in sorted(doc["entries"].items()):
+            for key, e in buckets.items():
+                meta = " ".join(f"{k}={v}" for k, v in sorted(e["meta"].items()))
+                table.add_row(variant, key, meta, f"{e['time_us']:.2f}",
+                              f"{e['default_time_us']:.2f}",
+                              f"{e['default_time_us'] / e['time_us']:.2f}")  # fmt: skip
+        console.print(table)
+
+
 def main() -> None:
     try:
         app()

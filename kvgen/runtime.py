@@ -7,6 +7,7 @@ from functools import cache
 
 import torch
 
+from kvgen import configs
 from kvgen.codegen.spec import ARCHS
 
 # The arch the interpreter stands in for: the interpreter runs the code path of this arch.
@@ -57,10 +58,7 @@ def local_target() -> tuple[str, str]:
     return INTERPRETER_ARCH, "interp"
 
 
-def meta_params(spec, size: int) -> dict[str, int]:
-    """Meta-parameters (rows per program, warps, stages, ...) for ``spec`` at problem ``size``.
-
-    The template's defaults; tuned configs from ``tuned_configs/<arch>/`` take over once the
-    tuner has written them.
-    """
-    return spec.default_meta(size)
+def meta_params(spec, **size: int) -> dict[str, int]:
+    """Meta-parameters (rows per program, warps, ...) for ``spec`` at this problem size: from
+    ``tuned_configs/<arch>/`` when tuned (kvgen.configs), else the template's defaults."""
+    return configs.meta_params(spec, **size)

@@ -152,7 +152,7 @@ def environment(commit: str | None = None) -> dict:
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": props.name,
         "sm_count": props.multi_processor_count,
         "capability": f"sm{props.major}{props.minor}",

@@ -40,6 +40,7 @@ class Case:
     n_sets: int
     step: Callable[[int], None]
     check: Callable[[], bool]
+    data: list | None = None  # the rotated input sets, for callers that launch themselves
 
 
 def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
@@ -158,4 +159,4 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
             )
 
         name = f"store_kv_{fmt}-h{heads}-d{head_size}-{str(dtype)[6:]}"
-        yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check)
+        yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check, sets)

@@ -88,7 +88,7 @@ class GatherMXFP4MLASpec(_MXFP4Spec):
     def derived(self) -> dict[str, Any]:
         return super().derived() | {"torch_dtype": TORCH_DTYPE[self.out_dtype]}
 
-    def default_meta(self, num_rows: int) -> dict[str, int]:
+    def default_meta(self, num_tokens: int) -> dict[str, int]:
         rows = max(1, min(16, _next_pow2(max(1, 4096 // self.latent))))
         return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}
 

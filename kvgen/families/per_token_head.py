@@ -69,8 +69,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
             "head_v_pad": _next_pow2(self.head_size_v),
         }
 
-    def default_meta(self, size: tuple[int, int]) -> dict[str, int]:
-        num_tokens, num_heads = size
+    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
         heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
         return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
 
@@ -103,8 +102,7 @@ class StoreKVInt4Spec(VariantSpec):
             "boundaries": [repr(b) for b in INT4_BOUNDARIES],
         }
 
-    def default_meta(self, size: tuple[int, int]) -> dict[str, int]:
-        num_tokens, num_heads = size
+    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
         heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
         return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
 

@@ -130,7 +130,7 @@ def store_mxfp4_mla(
     if num_tokens == 0:
         return
     spec, launch = _store_launcher(x.dtype, latent, group, layout, device)
-    meta = runtime.meta_params(spec, num_tokens)
+    meta = runtime.meta_params(spec, num_tokens=num_tokens)
     if layout == "paged":
         launch(x, slots, cache, num_slots, block_size, block_stride, **meta)
     else:
@@ -162,7 +162,7 @@ def gather_mxfp4_mla(
     if slots.shape[0] == 0:
         return out
     spec, launch = _gather_launcher(out_dtype, latent, group, layout, device)
-    meta = runtime.meta_params(spec, slots.shape[0])
+    meta = runtime.meta_params(spec, num_tokens=slots.shape[0])
     if layout == "paged":
         launch(cache, slots, out, num_slots, block_size, block_stride, **meta)
     else:

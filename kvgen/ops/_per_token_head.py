@@ -126,7 +126,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     spec = StoreKVPerTokenHeadSpec(
         fmt, head_size, head_size_v, _dtypes.NAME[key.dtype], arch, target
     )
-    meta = runtime.meta_params(spec, (key.shape[0], num_heads))
+    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=num_heads)
     _launcher(spec)(key, value, kc, vc, ks, vs, slots, **meta)
 
 
@@ -179,7 +179,7 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
         return
     arch, target = runtime.target_of(device)
     spec = StoreKVInt4Spec(channels, head_size, head_size_v, _dtypes.NAME[key.dtype], arch, target)
-    meta = runtime.meta_params(spec, (key.shape[0], num_heads))
+    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=num_heads)
     _launcher(spec)(key, value, kc, vc, ks, vs, slots, **meta)
 
 

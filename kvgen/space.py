@@ -1,0 +1,157 @@
+"""Search spaces declared next to each template (``templates/<template>.space.toml``).
+
+A space names the meta-parameters and their values, the shape buckets a tuned config is keyed
+by, and static constraints: expressions over the spec's fields and derived values, the
+parameters and the arch's limits, checked before anything is compiled. The expression language
+is a small, safe subset of Python (arithmetic, comparisons, ``and``/``or``/``not``, and the
+functions below); nothing else is evaluated.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import math
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from kvgen._resources import templates_dir
+
+# Per-arch limits the constraints may use.
+ARCH_LIMITS = {
+    "sm80": {"max_threads": 1024, "smem_bytes": 166912, "registers_per_thread": 255},
+    "sm89": {"max_threads": 1024, "smem_bytes": 101376, "registers_per_thread": 255},
+    "sm90": {"max_threads": 1024, "smem_bytes": 232448, "registers_per_thread": 255},
+    "sm100": {"max_threads": 1024, "smem_bytes": 232448, "registers_per_thread": 255},
+}
+
+_FUNCS = {
+    "is_pow2": lambda n: n > 0 and n & (n - 1) == 0,
+    "min": min,
+    "max": max,
+    "cdiv": lambda a, b: -(-a // b),
+    "log2": math.log2,
+}
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+    ast.Pow: lambda a, b: a**b,
+}
+_CMPOPS = {
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+}
+
+
+class SpaceError(ValueError):
+    """A malformed space file or constraint."""
+
+
+def evaluate(expr: str, names: dict[str, Any]) -> Any:
+    """Evaluate a constraint expression with only ``names`` and a few functions in scope."""
+
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool)):
+            return node.value
+        if isinstance(node, ast.Name):
+            if node.id not in names:
+                raise SpaceError(f"unknown name {node.id!r} in constraint {expr!r}")
+            return names[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.Not)):
+            v = ev(node.operand)
+            return -v if isinstance(node.op, ast.USub) else not v
+        if isinstance(node, ast.BoolOp):
+            values = [ev(v) for v in node.values]
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.Compare):
+            left = ev(node.left)
+            for op, right_node in zip(node.ops, node.comparators, strict=True):
+                if type(op) not in _CMPOPS:
+                    raise SpaceError(f"operator not allowed in constraint {expr!r}")
+                right = ev(right_node)
+                if not _CMPOPS[type(op)](left, right):
+                    return False
+                left = right
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in _FUNCS and not node.keywords):  # fmt: skip
+            return _FUNCS[node.func.id](*[ev(a) for a in node.args])
+        raise SpaceError(f"{ast.dump(node)[:60]} is not allowed in constraint {expr!r}")
+
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise SpaceError(f"constraint {expr!r} is not an expression: {exc}") from None
+    return ev(tree)
+
+
+@dataclass(frozen=True)
+class Space:
+    template: str
+    params: dict[str, tuple]
+    buckets: dict[str, tuple[int, ...]]
+    constraints: dict[str, str]
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every combination of parameter values (the exhaustive grid)."""
+        keys = list(self.params)
+        return [dict(zip(keys, vals, strict=True))
+                for vals in itertools.product(*self.params.values())]  # fmt: skip
+
+    def bucket_list(self) -> list[dict[str, int]]:
+        keys = list(self.buckets)
+        return [dict(zip(keys, vals, strict=True))
+                for vals in itertools.product(*self.buckets.values())]  # fmt: skip
+
+    def violations(self, spec, meta: dict[str, Any]) -> list[str]:
+        """Names of the constraints ``meta`` breaks for ``spec`` (empty: it may be compiled)."""
+        names = {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch], **meta}
+        return [name for name, expr in self.constraints.items() if not evaluate(expr, names)]
+
+    def allows(self, meta: dict[str, Any]) -> bool:
+        """Whether ``meta`` names exactly this space's parameters, with values from the space."""
+        return set(meta) == set(self.params) and all(meta[k] in self.params[k] for k in self.params)
+
+
+def bucket_key(bucket: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in bucket.items())
+
+
+def parse_bucket_key(key: str) -> dict[str, int]:
+    out = {}
+    for part in key.split(","):
+        name, _, value = part.partition("=")
+        out[name] = int(value)
+    return out
+
+
+@cache
+def load_space(template: str) -> Space:
+    path = templates_dir() / template.replace(".py.j2", ".space.toml")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SpaceError(f"cannot read the search space {path}: {exc}") from None
+    try:
+        params = {k: tuple(v) for k, v in doc["params"].items()}
+        buckets = {k: tuple(int(x) for x in v) for k, v in doc["buckets"].items()}
+        constraints = dict(doc.get("constraints", {}))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise SpaceError(f"{path}: needs [params] and [buckets] tables ({exc})") from None
+    if not params or any(not v for v in params.values()):
+        raise SpaceError(f"{path}: every parameter needs at least one value")
+    return Space(template, params, buckets, constraints)

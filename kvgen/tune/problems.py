@@ -1,0 +1,96 @@
+"""What a trial runs on the GPU: inputs for a (variant, bucket), a launch with the candidate's
+meta-parameters, a check against the reference, and a CUDA-graph timing on rotated buffers."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen import _dtypes
+from kvgen.bench import harness
+from kvgen.codegen import load
+from kvgen.tune.tuner import TrialFailed
+
+
+def _mxfp4_store(spec, bucket, device):
+    from kvgen.formats import mxfp4
+
+    t = bucket["num_tokens"]
+    pitch = mxfp4.row_bytes(spec.latent, spec.group)
+    blocks, bs = -(-t // 64) + 1, 64
+    dtype = _dtypes.TORCH[spec.in_dtype]
+    n_sets = harness.sets_for(t * (spec.latent * dtype.itemsize + pitch) + blocks * bs * pitch)
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(t, spec.latent, device=device).to(dtype)
+        cache = torch.zeros(blocks, bs, pitch, dtype=torch.uint8, device=device)
+        slots = torch.randperm(blocks * bs, device=device)[:t]
+        sets.append((x, slots, cache))
+    launch = load(spec).launch
+
+    def run(i, meta):
+        x, slots, cache = sets[i]
+        launch(x, slots, cache, blocks * bs, bs, cache.stride(0), **meta)
+
+    def check(meta):
+        x, slots, cache = sets[0]
+        x = torch.randn_like(x)
+        cache.fill_(0xFF)
+        launch(x, slots, cache, blocks * bs, bs, cache.stride(0), **meta)
+        want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
+        mxfp4.store(x.cpu(), slots.cpu(), want, spec.group)
+        return torch.equal(cache.cpu(), want)
+
+    return run, check, n_sets
+
+
+def _kv_store(spec, bucket, device):
+    from kvgen.bench.store import kv_cases
+
+    fmt = "int4" if spec.family == "store_kv_int4_per_token_head" else spec.fmt
+    if fmt == "int4" and spec.channels != 32:
+        raise TrialFailed("the tuning problem builds int4 caches with 32 channels per scale")
+    case = next(kv_cases(device, (bucket["num_tokens"],), fmt, bucket["num_heads"],
+                         spec.head_size, _dtypes.TORCH[spec.in_dtype]))  # fmt: skip
+    launch = load(spec).launch
+    sets = case.data  # the rotated (k, v, caches, scales, slots) sets
+
+    def run(i, meta):
+        launch(*sets[i], **meta)
+
+    def check(meta):
+        from kvgen.formats import per_token_head as ref
+
+        k, v, kc, vc, ks, vs, slots = sets[0]
+        n = min(k.shape[0], 4096)
+        k, v, slots = torch.randn_like(k[:n]), torch.randn_like(v[:n]), slots[:n]
+        launch(k, v, kc, vc, ks, vs, slots, **meta)
+        want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
+        ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
+        got = [x.cpu() for x in (kc, vc, ks, vs)]
+        return all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+                   for g, w in zip(got, want, strict=True))  # fmt: skip
+
+    return run, check, case.n_sets
+
+
+_BUILDERS = {
+    "store_mxfp4_mla": _mxfp4_store,
+    "store_kv_per_token_head": _kv_store,
+    "store_kv_int4_per_token_head": _kv_store,
+}
+
+
+def tunable(family: str) -> bool:
+    return family in _BUILDERS
+
+
+def gpu_evaluator(spec, bucket, device="cuda"):
+    """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs."""
+    run, check, n_sets = _BUILDERS[spec.family](spec, bucket, torch.device(device))
+
+    def evaluate(meta):
+        if not check(meta):
+            raise TrialFailed("wrong result")
+        return harness.graph_time_us(lambda i: run(i, meta), n_sets, replays=10, trials=5)
+
+    return evaluate

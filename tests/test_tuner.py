@@ -1,0 +1,254 @@
+"""The tuner's control flow with a fake timer, the config files and the run-time loader."""
+
+import json
+import logging
+
+import pytest
+
+optuna = pytest.importorskip("optuna")  # the tuner is the one part that needs optuna
+
+from kvgen import configs  # noqa: E402
+from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
+from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec  # noqa: E402
+from kvgen.space import SpaceError, evaluate, load_space  # noqa: E402
+from kvgen.tune import tuner  # noqa: E402
+
+SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
+SPACE = load_space(SPEC.template)
+BUCKET = {"num_tokens": 65536}
+ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "x", "triton": "3.6.0"}
+
+
+def fake_time(meta):
+    """A made-up cost with one best point (rows 4, warps 2) and a constraint-free surface."""
+    return 10.0 + abs(meta["rows_per_program"] - 4) * 3 + abs(meta["num_warps"] - 2) * 2
+
+
+class Recorder:
+    def __init__(self, broken=None, crash_at=None):
+        self.calls = []
+        self.broken = broken or {}
+        self.crash_at = crash_at
+
+    def __call__(self, meta):
+        self.calls.append(dict(meta))
+        if self.crash_at is not None and len(self.calls) == self.crash_at:
+            raise KeyboardInterrupt  # the process is interrupted mid-trial
+        if all(meta.get(k) == v for k, v in self.broken.items()) and self.broken:
+            raise tuner.TrialFailed("wrong result")
+        return fake_time(meta)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return tuner.storage_from(str(tmp_path / "tune.journal"), tmp_path / "unused")
+
+
+def test_default_first_trials_recorded_and_best_found(storage):
+    rec = Recorder()
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=20)
+    assert rec.calls[0] == SPEC.default_meta(**BUCKET)
+    assert r.trials == 20
+    study = optuna.load_study(study_name=f"{SPEC.name}@num_tokens=65536", storage=storage)
+    assert len(study.trials) == 20
+    assert r.time_us == min(t.value for t in study.trials if t.value is not None)
+    assert r.default_time_us == fake_time(SPEC.default_meta(**BUCKET))
+
+
+def test_failed_trials_never_win(storage):
+    rec = Recorder(broken={"rows_per_program": 4, "num_warps": 2})  # the true optimum is wrong
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid",
+                        n_trials=1000)  # fmt: skip
+    assert r.failed >= 1
+    assert r.meta != {"rows_per_program": 4, "num_warps": 2, "num_stages": 1}
+    allowed = [
+        m for m in SPACE.points()
+        if not SPACE.violations(SPEC, m) and (m["rows_per_program"], m["num_warps"]) != (4, 2)
+    ]  # fmt: skip
+    assert r.time_us == min(fake_time(m) for m in allowed)
+
+
+def test_constraints_fail_before_compiling(storage):
+    big = StoreMXFP4MLASpec(64, 16384, "fp32", "paged", "sm90", "gpu")
+    space = load_space(big.template)
+    bad = {"rows_per_program": 16, "num_warps": 1, "num_stages": 1}
+    assert space.violations(big, bad) == ["values_per_thread"]
+    rec = Recorder()
+    tuner.run_study(big, BUCKET, space, rec, storage=storage, sampler="grid", n_trials=1000)
+    assert all(not space.violations(big, m) for m in rec.calls)  # never evaluated
+
+
+def test_grid_covers_the_space_once(storage):
+    rec = Recorder()
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid",
+                        n_trials=1000)  # fmt: skip
+    points = SPACE.points()
+    assert r.trials == len(points)
+    assert sorted(map(str, rec.calls)) == sorted(
+        str(p) for p in points if not SPACE.violations(SPEC, p)
+    )
+
+
+def test_interrupted_run_resumes_the_same_study(storage):
+    rec = Recorder(crash_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=12)
+    study = optuna.load_study(study_name=f"{SPEC.name}@num_tokens=65536", storage=storage)
+    first = [t.params for t in study.trials]
+    assert len(first) == 4
+    rec2 = Recorder()
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec2, storage=storage, n_trials=12)
+    assert r.trials == 12 and len(rec2.calls) == 8
+    study = optuna.load_study(study_name=f"{SPEC.name}@num_tokens=65536", storage=storage)
+    assert [t.params for t in study.trials[:4]] == first
+    assert study.trials[3].state == optuna.trial.TrialState.FAIL  # the interrupted trial
+    assert rec2.calls[0] != SPEC.default_meta(**BUCKET)  # the default is not run twice
+
+
+def _result(meta, t=5.0):
+    return tuner.StudyResult(SPEC.name, "num_tokens=65536", meta, t, 2 * t, 10, 1)
+
+
+def test_written_json_is_valid_sorted_and_atomic(tmp_path):
+    meta = {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
+    path = tuner.write_results(tmp_path, "sm90", SPEC.family, [_result(meta)], ENV, "tpe", 10)
+    text = path.read_text()
+    doc = json.loads(text)
+    assert configs.validate(doc, "sm90", SPEC.family) == []
+    assert text == json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left
+    # A second run merges into the same file.
+    other = tuner.StudyResult(SPEC.name, "num_tokens=1", meta, 1.0, 1.5, 10, 0)
+    tuner.write_results(tmp_path, "sm90", SPEC.family, [other], ENV, "tpe", 10)
+    entries = json.loads(path.read_text())["entries"][SPEC.name]
+    assert set(entries) == {"num_tokens=65536", "num_tokens=1"}
+    with pytest.raises(ValueError):
+        configs.write(path, {"schema_version": 1})
+
+
+def test_committed_configs_match_the_schema():
+    from kvgen._resources import tuned_configs_dir
+
+    for path in tuned_configs_dir().glob("*/*.json"):
+        doc = json.loads(path.read_text())
+        assert configs.validate(doc, path.parent.name, path.stem) == [], path
+        for variant, buckets in doc["entries"].items():
+            for entry in buckets.values():
+                assert variant.endswith(f"-{path.parent.name}-gpu")
+                assert isinstance(entry["meta"], dict)
+
+
+# ---- the run-time loader -------------------------------------------------------------------
+
+
+def _config(tmp_path, arch="sm90", meta=None, buckets=(1, 65536), **changes):
+    meta = meta or {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
+    doc = {
+        "schema_version": 1, "family": SPEC.family, "env": {**ENV, "arch": arch},
+        "provenance": {"date": "2026-11-29", "sampler": "tpe", "trials": 10},
+        "entries": {SPEC.name: {f"num_tokens={b}": {
+            "meta": {**meta, "rows_per_program": 2 if b == 1 else meta["rows_per_program"]},
+            "time_us": 1.0, "default_time_us": 2.0} for b in buckets}},
+    }  # fmt: skip
+    doc.update(changes)
+    path = tmp_path / arch / f"{SPEC.family}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    return path
+
+
+@pytest.fixture
+def override(tmp_path, monkeypatch):
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    configs.reset()
+    yield tmp_path
+    configs.reset()
+
+
+def test_override_folder_and_nearest_bucket(override):
+    _config(override)
+    assert configs.meta_params(SPEC, num_tokens=50000)["rows_per_program"] == 8
+    assert configs.meta_params(SPEC, num_tokens=3)["rows_per_program"] == 2
+    assert configs.nearest_bucket(["num_tokens=1", "num_tokens=4096"], {"num_tokens": 100}) == (
+        "num_tokens=4096"
+    )
+    kv = StoreKVPerTokenHeadSpec()
+    keys = ["num_heads=1,num_tokens=16", "num_heads=8,num_tokens=16", "num_heads=8,num_tokens=4096"]
+    assert configs.nearest_bucket(keys, {"num_tokens": 20, "num_heads": 8}) == keys[1]
+    assert configs.nearest_bucket(keys, {"num_tokens": 20}) is None  # other dimensions
+    del kv
+
+
+def test_missing_file_falls_back_with_one_log_line(override, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        for n in (1, 16, 4096):
+            assert configs.meta_params(SPEC, num_tokens=n) == SPEC.default_meta(num_tokens=n)
+    assert len([r for r in caplog.records if "no tuned config" in r.message]) == 1
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    ["malformed", "future_schema", "other_arch", "outside_space", "bad_types"],
+)
+def test_bad_files_warn_and_fall_back(override, caplog, breakage):
+    if breakage == "malformed":
+        (override / "sm90").mkdir()
+        (override / "sm90" / f"{SPEC.family}.json").write_text("{not json")
+    elif breakage == "future_schema":
+        _config(override, schema_version=2)
+    elif breakage == "other_arch":
+        p = _config(override, arch="sm80")
+        (override / "sm90").mkdir()
+        p.rename(override / "sm90" / p.name)  # an sm80 file under sm90/
+    elif breakage == "outside_space":
+        _config(override, meta={"rows_per_program": 3, "num_warps": 2, "num_stages": 1})
+    else:
+        _config(override, meta={"rows_per_program": "8", "num_warps": 2, "num_stages": 1})
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
+    assert caplog.records, "a bad config must be reported"
+
+
+def test_files_are_read_once_per_process(override, monkeypatch):
+    path = _config(override)
+    reads = []
+    real = type(path).read_text
+    monkeypatch.setattr(
+        type(path), "read_text", lambda self, *a, **k: (reads.append(self), real(self, *a, **k))[1]
+    )
+    for n in range(1, 200):
+        configs.meta_params(SPEC, num_tokens=n)
+    assert len([p for p in reads if p.name.endswith(".json")]) == 1
+
+
+def test_interpreter_target_uses_defaults(override):
+    _config(override)
+    interp = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "interp")
+    assert configs.meta_params(interp, num_tokens=65536) == interp.default_meta(num_tokens=65536)
+
+
+def test_constraint_language_is_closed():
+    assert evaluate("is_pow2(a) and a * 2 <= b", {"a": 4, "b": 8})
+    for bad in ("__import__('os')", "a.b", "[1][0]", "open('x')"):
+        with pytest.raises(SpaceError):
+            evaluate(bad, {"a": 1})
+
+
+def test_show_and_tune_commands(override):
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    import kvgen.cli
+
+    _config(override)
+    kvgen.cli.console = Console(width=250)
+    runner = CliRunner()
+    result = runner.invoke(kvgen.cli.app, ["show", "sm90"])
+    assert result.exit_code == 0, result.output
+    assert "rows_per_program=8" in result.output and SPEC.name in result.output
+    assert runner.invoke(kvgen.cli.app, ["show", "sm100"]).exit_code == 1
+    import torch
+
+    if not torch.cuda.is_available():
+        result = runner.invoke(kvgen.cli.app, ["tune", "--arch", "sm90"])
+        assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
