@@ -361,8 +361,9 @@ def tune_cmd(
         label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
 
         def show(r, label=label):
-            best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
-            err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
+            if err.is_terminal:  # a live line; logs get the summary below only
+                best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
+                err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
 
         evaluate = problems.gpu_evaluator(spec, bucket)
         r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,

@@ -86,6 +86,8 @@ def run_study(
 ) -> StudyResult:
     """Run (or resume) the study of ``spec`` at ``bucket`` until it has ``n_trials`` trials."""
     name = f"{spec.name}@{bucket_key(bucket)}"
+    # kvgen reports trials itself (failures are counted in the result and kept in storage).
+    optuna.logging.set_verbosity(logging.ERROR)
     study = optuna.create_study(
         study_name=name, storage=storage, direction="minimize",
         sampler=make_sampler(sampler, space, seed), load_if_exists=True,
@@ -124,7 +126,6 @@ def run_study(
         callbacks.append(lambda s, t: on_trial(summarize(spec, bucket, s, default)))
     if remaining > 0 and (deadline is None or time.monotonic() < deadline):
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        optuna.logging.set_verbosity(logging.WARNING)
         study.optimize(objective, n_trials=remaining, timeout=timeout,
                        catch=(TrialFailed,), callbacks=callbacks)  # fmt: skip
     return summarize(spec, bucket, study, default)
