@@ -203,6 +203,9 @@ def bench_cmd(
     commit: Annotated[
         str | None, typer.Option(help="Commit to record (default: git HEAD).")
     ] = None,
+    compare_default: Annotated[
+        bool, typer.Option(help="Also time the template defaults, to show what tuning gained.")
+    ] = False,
 ) -> None:
     """Time the store ops with CUDA graphs against a same-run device-to-device copy.
 
@@ -227,17 +230,11 @@ def bench_cmd(
     for how, bw in copies.items():
         err.print(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
     table = Table(title=f"kvgen bench on {env['device']} (copy {copy_bw / 1e9:.0f} GB/s)")
-    for col in (
-        "variant",
-        "tokens",
-        "graph us",
-        "eager us",
-        "GB/s",
-        "x copy BW",
-        "copy us",
-        "x copy time",
-        "ok",
-    ):
+    cols = ["variant", "tokens", "graph us", "eager us", "GB/s", "x copy BW", "copy us",
+            "x copy time", "ok"]  # fmt: skip
+    if compare_default:
+        cols.insert(3, "default us")
+    for col in cols:
         table.add_column(col, justify="left" if col == "variant" else "right")
 
     def progress(row):
@@ -259,19 +256,14 @@ def bench_cmd(
     for fmt in (o for o in wanted if o != "mxfp4"):
         for heads, head_size in store.KV_SHAPES:
             cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
-    rows = store.run(itertools.chain(*cases), device, copy_bw, progress)
+    rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
     for r in rows:
-        table.add_row(
-            r.variant,
-            str(r.num_tokens),
-            f"{r.graph_us:.2f}",
-            f"{r.eager_us:.2f}",
-            f"{r.gbps:.0f}",
-            f"{r.bw_ratio:.3f}",
-            f"{r.copy_graph_us:.2f}",
-            f"{r.latency_ratio:.2f}",
-            "yes" if r.correct else "[red]NO[/]",
-        )
+        cells = [r.variant, str(r.num_tokens), f"{r.graph_us:.2f}", f"{r.eager_us:.2f}",
+                 f"{r.gbps:.0f}", f"{r.bw_ratio:.3f}", f"{r.copy_graph_us:.2f}",
+                 f"{r.latency_ratio:.2f}", "yes" if r.correct else "[red]NO[/]"]  # fmt: skip
+        if compare_default:
+            cells.insert(3, f"{r.default_graph_us:.2f}")
+        table.add_row(*cells)
     console.print(table)
     console.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
     if json_out is not None:

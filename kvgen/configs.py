@@ -25,6 +25,8 @@ from kvgen.space import SpaceError, load_space, parse_bucket_key
 
 SCHEMA_VERSION = 1
 OVERRIDE_ENV = "KVGEN_TUNED_CONFIGS"
+DISABLE_ENV = "KVGEN_DISABLE_TUNED"  # "1": always the template defaults (A/B comparisons)
+use_tuned = os.environ.get(DISABLE_ENV, "0") != "1"
 log = logging.getLogger("kvgen")
 
 _ENV_KEYS = ("arch", "cuda", "device", "kvgen", "torch", "triton")
@@ -167,6 +169,8 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
 
 def meta_params(spec, **size: int) -> dict[str, int]:
     """Meta-parameters for ``spec`` at this problem size: tuned if known, else defaults."""
+    if not use_tuned:
+        return spec.default_meta(**size)
     return dict(_lookup(spec, tuple(sorted(size.items()))))
 
 

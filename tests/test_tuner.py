@@ -159,7 +159,9 @@ def _config(tmp_path, arch="sm90", meta=None, buckets=(1, 65536), **changes):
 
 @pytest.fixture
 def override(tmp_path, monkeypatch):
+    """An override folder, and no packaged configs (the committed ones would answer first)."""
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "packaged")
     configs.reset()
     yield tmp_path
     configs.reset()
@@ -219,6 +221,18 @@ def test_files_are_read_once_per_process(override, monkeypatch):
     for n in range(1, 200):
         configs.meta_params(SPEC, num_tokens=n)
     assert len([p for p in reads if p.name.endswith(".json")]) == 1
+
+
+def test_packaged_configs_are_used_below_the_override(override, monkeypatch, tmp_path):
+    packaged = tmp_path / "packaged"
+    _config(packaged, meta={"rows_per_program": 16, "num_warps": 1, "num_stages": 1})
+    configs.reset()
+    assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 16
+    _config(override)  # the override folder wins
+    configs.reset()
+    assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
+    monkeypatch.setattr(configs, "use_tuned", False)  # KVGEN_DISABLE_TUNED=1
+    assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
 
 
 def test_interpreter_target_uses_defaults(override):

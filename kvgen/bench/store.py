@@ -27,6 +27,7 @@ class Row:
     bw_ratio: float = 0.0  # achieved / copy bandwidth of the same run
     latency_ratio: float = 0.0  # graph time / same-bytes copy graph time
     correct: bool = False
+    default_graph_us: float | None = None  # the template's defaults instead of tuned configs
 
 
 @dataclasses.dataclass
@@ -78,14 +79,24 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         yield Case("store_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check)
 
 
-def run(cases, device, copy_bw: float, progress=None) -> list[Row]:
+def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> list[Row]:
+    from kvgen import configs
+
     rows = []
     for case in cases:
+        default = None
+        if compare_default:
+            configs.use_tuned = False
+            try:
+                default = harness.graph_time_us(case.step, case.n_sets)
+            finally:
+                configs.use_tuned = True
         graph = harness.graph_time_us(case.step, case.n_sets)
         eager = harness.eager_time_us(case.step, case.n_sets)
         cstep, csets = harness.copy_step(case.bytes // 2, device)
         copy = harness.graph_time_us(cstep, csets)
         row = Row(case.op, case.variant, case.num_tokens, case.bytes, graph, eager, copy)
+        row.default_graph_us = default
         row.gbps = case.bytes / (graph * 1e-6) / 1e9
         row.bw_ratio = row.gbps * 1e9 / copy_bw
         row.latency_ratio = graph / copy
