@@ -207,3 +207,18 @@ def test_project_sources_pass_the_linter():
         [sys.executable, "-m", "ruff", "check", *paths], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout
+
+
+def test_every_subpackage_is_packaged():
+    """A kvgen sub-package missing from pyproject's list is missing from the wheel."""
+    import tomllib
+
+    root = _pyproject()
+    if root is None:
+        pytest.skip("needs the source checkout")
+    listed = set(tomllib.loads(root.read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join(p.parent.relative_to(root.parent).parts)
+        for p in (root.parent / "kvgen").rglob("__init__.py")
+    }
+    assert on_disk <= listed, f"not packaged: {sorted(on_disk - listed)}"

@@ -1,0 +1,99 @@
+"""Optuna's TPE after N trials against the best of an exhaustive grid over the same space.
+
+Every point of the grid is measured once on the GPU (checked against the reference first);
+TPE then runs from those measurements (a lookup, so both see identical timings and the
+comparison costs no more GPU time), for N = 10, 20, 40 and several seeds. Prints best(TPE, N)
+/ best(grid) per op and N, and writes JSON.
+
+    python benchmarks/compare_samplers.py --json out.json
+    python benchmarks/compare_samplers.py --fake     # no GPU: a made-up cost surface
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+
+from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
+from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec
+from kvgen.space import load_space
+from kvgen.tune import tuner
+
+CASES = [
+    (StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu"), {"num_tokens": 65536}),
+    (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu"),
+     {"num_tokens": 65536, "num_heads": 8}),
+]  # fmt: skip
+
+
+def measure_grid(spec, bucket, space, fake: bool) -> dict[str, float | None]:
+    """Time of every grid point (None: breaks a constraint or fails)."""
+    if fake:
+
+        def evaluate(m):
+            return 10 + sum((v - 3) ** 2 for v in m.values()) * 0.1
+    else:
+        from kvgen.tune.problems import gpu_evaluator
+
+        evaluate = gpu_evaluator(spec, bucket)
+    times = {}
+    for point in space.points():
+        key = json.dumps(point, sort_keys=True)
+        if space.violations(spec, point):
+            times[key] = None
+            continue
+        try:
+            times[key] = evaluate(point)
+        except Exception as exc:  # a failed candidate, as in a tuning trial
+            print(f"  {point}: failed ({exc})", file=sys.stderr)
+            times[key] = None
+    return times
+
+
+def tpe_best(spec, bucket, space, times, n, seed) -> float:
+    def lookup(meta):
+        t = times[json.dumps(meta, sort_keys=True)]
+        if t is None:
+            raise tuner.TrialFailed("failed on the grid")
+        return t
+
+    with tempfile.TemporaryDirectory() as d:
+        storage = tuner.storage_from(f"{d}/s.journal", None)
+        r = tuner.run_study(spec, bucket, space, lookup, storage=storage, sampler="tpe",
+                            n_trials=n, seed=seed)  # fmt: skip
+    return r.time_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fake", action="store_true", help="made-up costs, no GPU")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    out = []
+    for spec, bucket in CASES:
+        space = load_space(spec.template)
+        times = measure_grid(spec, bucket, space, args.fake)
+        valid = [t for t in times.values() if t is not None]
+        grid_best = min(valid)
+        for n in (10, 20, 40):
+            ratios = [tpe_best(spec, bucket, space, times, n, s) / grid_best
+                      for s in range(args.seeds)]  # fmt: skip
+            row = {"variant": spec.name, "bucket": bucket, "grid_points": len(times),
+                   "n_trials": n, "median_ratio": statistics.median(ratios),
+                   "worst_ratio": max(ratios), "grid_best_us": grid_best}  # fmt: skip
+            out.append(row)
+            print(
+                f"{spec.name} {bucket}: grid {len(times)} points, best {grid_best:.2f} us; "
+                f"TPE@{n}: median x{row['median_ratio']:.3f}, worst x{row['worst_ratio']:.3f}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
