@@ -6,6 +6,7 @@ Importing this module needs torch, triton and jinja2 only (never optuna). Kernel
 and compiled on first use for each specialisation, then reused.
 """
 
+from kvgen.ops._mla_metadata import get_mla_metadata
 from kvgen.ops._mxfp4_mla import GROUP_SIZE, gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
 from kvgen.ops._per_token_head import (
     gather_kv_per_token_head,
@@ -21,6 +22,7 @@ __all__ = [
     "GROUP_SIZE",
     "gather_kv_per_token_head",
     "gather_mxfp4_mla",
+    "get_mla_metadata",
     "mxfp4_row_bytes",
     "store_kv_int4_per_token_head",
     "store_kv_per_token_head",

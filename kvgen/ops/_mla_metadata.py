@@ -1,0 +1,109 @@
+"""``get_mla_metadata``: a load-balanced split-KV schedule, computed on the device (no sync).
+
+kvgen's metadata layout (its own; FlashMLA's is opaque too). The work of sequence b is
+``cost_b = ceil(seqlen_b / BLOCK_N) + FIXED_COST`` units (KV blocks, plus a fixed charge for
+loading Q and writing the output). The units of all sequences, laid end to end in batch order,
+are cut into ``num_sm_parts`` equal ranges, one per persistent work unit (about one per SM and
+head group). Row p of ``tile_scheduler_metadata`` ([num_sm_parts, 8] int32) describes part p:
+
+    0 begin_batch   1 begin_block   2 end_batch   3 end_block (exclusive; the part covers
+    blocks [begin_block, ...) of begin_batch up to blocks [..., end_block) of end_batch)
+    4 begin_split   (the index, within begin_batch's splits, of this part's first piece)
+    5 units         (cost units in the part)     6, 7 reserved (0)
+
+A part whose range is empty (more parts than work) has begin_batch = batch (past the end).
+``num_splits`` ([batch + 1] int32) is the prefix sum of the number of pieces each sequence is
+cut into: sequence b's partial results are ``num_splits[b] .. num_splits[b + 1] - 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+METADATA_SIZE = 8
+BLOCK_N = 64  # KV tokens per scheduling unit
+FIXED_COST = 5  # per sequence: Q load, output write and combine, in KV-block units
+HEADS_PER_PART = 64  # query heads one work unit processes (FlashMLA's tile)
+
+
+def num_sm_parts(num_sms: int, num_heads_per_head_k: int, num_heads_k: int) -> int:
+    head_tiles = -(-num_heads_per_head_k // HEADS_PER_PART)
+    return max(1, num_sms // (num_heads_k * head_tiles))
+
+
+def schedule(cache_seqlens: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule as torch ops on ``cache_seqlens``'s device (no host round trip)."""
+    dev = cache_seqlens.device
+    seqlens = cache_seqlens.to(torch.int64)
+    batch = seqlens.shape[0]
+    blocks = (seqlens + BLOCK_N - 1) // BLOCK_N
+    cost = blocks + FIXED_COST
+    end = torch.cumsum(cost, 0)  # exclusive end of each sequence's units
+    start = end - cost
+    total = end[-1:] if batch else torch.zeros(1, dtype=torch.int64, device=dev)
+    per_part = torch.clamp((total + parts - 1) // parts, min=1)  # [1]
+    p = torch.arange(parts, device=dev, dtype=torch.int64)
+    lo = torch.minimum(p * per_part, total)  # unit range [lo, hi) of each part
+    hi = torch.minimum(lo + per_part, total)
+
+    def locate(u):  # (batch, block) of global unit u; units past a sequence's blocks -> its end
+        b = torch.searchsorted(end, u, right=True)
+        b_c = torch.clamp(b, max=max(batch - 1, 0))
+        off = u - start[b_c] if batch else u
+        blk = torch.minimum(off, blocks[b_c]) if batch else off
+        return b, blk
+
+    begin_b, begin_blk = locate(lo)
+    last_b, last_blk = locate(torch.clamp(hi - 1, min=0))
+    end_blk = torch.minimum(last_blk + 1, blocks[torch.clamp(last_b, max=max(batch - 1, 0))]
+                            if batch else last_blk + 1)  # fmt: skip
+    empty = hi <= lo
+    begin_b = torch.where(empty, batch, begin_b)
+
+    # Pieces per sequence: the parts whose ranges meet its units [start, end).
+    first_part = start // per_part
+    last_part = (end - 1) // per_part
+    pieces = last_part - first_part + 1
+    num_splits = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
+    num_splits[1:] = torch.cumsum(pieces, 0)
+    begin_split = torch.where(
+        empty, 0, p - first_part[torch.clamp(begin_b, max=max(batch - 1, 0))]
+    ) if batch else torch.zeros_like(p)  # fmt: skip
+
+    meta = torch.zeros(parts, METADATA_SIZE, dtype=torch.int32, device=dev)
+    meta[:, 0] = begin_b.to(torch.int32)
+    meta[:, 1] = torch.where(empty, 0, begin_blk).to(torch.int32)
+    meta[:, 2] = torch.where(empty, batch, last_b).to(torch.int32)
+    meta[:, 3] = torch.where(empty, 0, end_blk).to(torch.int32)
+    meta[:, 4] = begin_split.to(torch.int32)
+    meta[:, 5] = (hi - lo).clamp(min=0).to(torch.int32)
+    return meta, num_splits.to(torch.int32)
+
+
+def get_mla_metadata(
+    cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's ``get_mla_metadata``: ``(tile_scheduler_metadata, num_splits)``.
+
+    Args:
+        cache_seqlens: [batch] int32 (int64 accepted), on the device of the decode.
+        num_heads_per_head_k: seq_len_q * num_heads_q // num_heads_k.
+        num_heads_k: KV heads (1 for MLA).
+
+    Computed with device ops only: no host synchronisation, safe inside CUDA graphs' warm-up.
+    The layout is documented at the top of this module.
+    """
+    from kvgen.ops import _checks as check
+
+    seqlens = check.tensor("cache_seqlens", cache_seqlens)
+    check.dtype("cache_seqlens", seqlens, (torch.int32, torch.int64))
+    check.ndim("cache_seqlens", seqlens, 1, "[batch]")
+    for name, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k)):
+        check.int_arg(name, v)
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    if seqlens.device.type == "cuda":
+        sms = torch.cuda.get_device_properties(seqlens.device).multi_processor_count
+    else:
+        sms = 8  # the interpreter: a few work units are enough to exercise splitting
+    return schedule(seqlens, num_sm_parts(sms, num_heads_per_head_k, num_heads_k))
