@@ -5,9 +5,9 @@ from __future__ import annotations
 import difflib
 
 from kvgen.codegen.spec import VariantSpec
-from kvgen.families import mxfp4_mla, per_token_head
+from kvgen.families import mla_decode, mxfp4_mla, per_token_head
 
-_FAMILY_MODULES = (mxfp4_mla, per_token_head)
+_FAMILY_MODULES = (mxfp4_mla, per_token_head, mla_decode)
 
 
 def variants(arch: str, target: str, family: str | None = None) -> list[VariantSpec]:

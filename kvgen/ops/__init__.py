@@ -6,6 +6,7 @@ Importing this module needs torch, triton and jinja2 only (never optuna). Kernel
 and compiled on first use for each specialisation, then reused.
 """
 
+from kvgen.ops._mla_decode import flash_mla_with_kvcache
 from kvgen.ops._mla_metadata import get_mla_metadata
 from kvgen.ops._mxfp4_mla import GROUP_SIZE, gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
 from kvgen.ops._per_token_head import (
@@ -20,6 +21,7 @@ store_kv_int4_per_token_head = triton_reshape_and_cache_flash_int4_per_token_hea
 
 __all__ = [
     "GROUP_SIZE",
+    "flash_mla_with_kvcache",
     "gather_kv_per_token_head",
     "gather_mxfp4_mla",
     "get_mla_metadata",

@@ -11,7 +11,8 @@ head group). Row p of ``tile_scheduler_metadata`` ([num_sm_parts, 8] int32) desc
     4 begin_split   (the index, within begin_batch's splits, of this part's first piece)
     5 units         (cost units in the part)     6, 7 reserved (0)
 
-A part whose range is empty (more parts than work) has begin_batch = batch (past the end).
+A part whose range is empty (more parts than work) has begin_batch = batch and end_batch =
+batch - 1, so that a loop ``for b in range(begin_batch, end_batch + 1)`` does nothing.
 ``num_splits`` ([batch + 1] int32) is the prefix sum of the number of pieces each sequence is
 cut into: sequence b's partial results are ``num_splits[b] .. num_splits[b + 1] - 1``.
 """
@@ -20,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from kvgen.families.mla_decode import SCHED_BLOCK as BLOCK_N  # KV tokens per unit
+
 METADATA_SIZE = 8
-BLOCK_N = 64  # KV tokens per scheduling unit
 FIXED_COST = 5  # per sequence: Q load, output write and combine, in KV-block units
 HEADS_PER_PART = 64  # query heads one work unit processes (FlashMLA's tile)
 
@@ -73,7 +75,7 @@ def schedule(cache_seqlens: torch.Tensor, parts: int) -> tuple[torch.Tensor, tor
     meta = torch.zeros(parts, METADATA_SIZE, dtype=torch.int32, device=dev)
     meta[:, 0] = begin_b.to(torch.int32)
     meta[:, 1] = torch.where(empty, 0, begin_blk).to(torch.int32)
-    meta[:, 2] = torch.where(empty, batch, last_b).to(torch.int32)
+    meta[:, 2] = torch.where(empty, batch - 1, last_b).to(torch.int32)
     meta[:, 3] = torch.where(empty, 0, end_blk).to(torch.int32)
     meta[:, 4] = begin_split.to(torch.int32)
     meta[:, 5] = (hi - lo).clamp(min=0).to(torch.int32)

@@ -1,0 +1,64 @@
+"""MLA decode attention (FlashMLA's API) over a paged bf16/fp16 latent cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
+from kvgen.families.mxfp4_mla import TORCH_DTYPE
+
+WIDTHS = ((576, 512), (512, 512), (288, 256))
+# The split-KV schedule's unit: get_mla_metadata cuts sequences into blocks of this many
+# tokens, and the decode kernels walk those blocks.
+SCHED_BLOCK = 64
+VARIANTS = ("portable",)
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _dim_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeSpec(VariantSpec):
+    family: ClassVar[str] = "mla_decode"
+    template: ClassVar[str] = "mla_decode.py.j2"
+
+    head_dim: int = axis("d", check=_dim_ok, doc="an int from 16 to 1024", default=576)
+    head_dim_v: int = axis("dv", check=_dim_ok, doc="an int from 16 to 1024", default=512)
+    dtype: str = axis("", choices=("bf16", "fp16"), default="bf16")
+    variant: str = axis("", choices=VARIANTS, default="portable")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def check_combination(self) -> None:
+        rope = self.head_dim - self.head_dim_v
+        if not _pow2(self.head_dim_v) or rope < 0 or (rope and not _pow2(rope)):
+            raise SpecError(
+                f"{self.family}: head_dim_v ({self.head_dim_v}) and head_dim - head_dim_v "
+                f"({rope}) must be powers of two (or 0 for no rope part)"
+            )
+
+    def derived(self) -> dict[str, Any]:
+        return {
+            "torch_dtype": TORCH_DTYPE[self.dtype],
+            "rope": self.head_dim - self.head_dim_v,
+            "sched_block": SCHED_BLOCK,
+        }
+
+    def default_meta(self, rows: int) -> dict[str, int]:
+        return {"block_h": 16, "block_n": 32, "block_h_combine": 16, "num_warps": 4,
+                "num_stages": 1}  # fmt: skip
+
+
+def variants(arch: str, target: str) -> list[VariantSpec]:
+    return [
+        MLADecodeSpec(d, dv, dt, v, arch, target)
+        for d, dv in WIDTHS
+        for dt in ("bf16", "fp16")
+        for v in VARIANTS
+    ]

@@ -1,0 +1,107 @@
+"""FlashMLA-style decode attention: ``flash_mla_with_kvcache`` over kvgen's split-KV schedule."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kvgen import _dtypes, runtime
+from kvgen.codegen import load
+from kvgen.families.mla_decode import MLADecodeSpec
+from kvgen.ops import _checks as check
+from kvgen.ops._mla_metadata import METADATA_SIZE
+
+
+@cache
+def _launcher(spec):
+    return load(spec).launch
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    *,
+    check_block_table: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode attention with FlashMLA's arguments and results.
+
+    Args:
+        q: [batch, seq_len_q, num_heads_q, head_dim] bf16 or fp16.
+        k_cache: [num_blocks, page_block_size, 1, head_dim], q's dtype; its first head_dim_v
+            channels are also V. Any page size from 1 to 256.
+        block_table: [batch, max_num_blocks_per_seq] int32.
+        cache_seqlens: [batch] int32.
+        head_dim_v: width of V (512 for DeepSeek's 576-wide cache).
+        tile_scheduler_metadata, num_splits: from ``get_mla_metadata`` for these seqlens.
+        softmax_scale: default 1 / sqrt(head_dim).
+        causal: the seq_len_q queries are the sequence's last positions (speculative decoding).
+        check_block_table: also check that every page a sequence uses exists (costs a sync).
+
+    Returns:
+        out [batch, seq_len_q, num_heads_q, head_dim_v] (q's dtype) and lse [batch,
+        num_heads_q, seq_len_q] fp32 (natural log); queries that see no key get 0 and -inf.
+    """
+    q = check.tensor("q", q)
+    check.dtype("q", q, (torch.bfloat16, torch.float16))
+    check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
+    batch, s_q, h_q, d = q.shape
+    if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
+        raise ValueError("q must be contiguous in its last three dimensions")
+    k = check.tensor("k_cache", k_cache)
+    check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k_cache must have q's dtype {q.dtype}; got {k.dtype}")
+    if k.shape[2] != 1:
+        raise ValueError(f"num_heads_k must be 1 for MLA; k_cache has {k.shape[2]}")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
+    if k.stride(3) != 1:
+        raise ValueError("k_cache must be contiguous in head_dim")
+    check.int_arg("head_dim_v", head_dim_v)
+    if not 0 < head_dim_v <= d:
+        raise ValueError(f"head_dim_v must be in 1..{d}, got {head_dim_v}")
+    bt = check.tensor("block_table", block_table)
+    check.dtype("block_table", bt, (torch.int32,))
+    check.ndim("block_table", bt, 2, "[batch, max_num_blocks_per_seq]")
+    sl = check.tensor("cache_seqlens", cache_seqlens)
+    check.dtype("cache_seqlens", sl, (torch.int32,))
+    check.ndim("cache_seqlens", sl, 1, "[batch]")
+    if bt.shape[0] != batch or sl.shape[0] != batch:
+        raise ValueError(f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
+                         f"must have q's batch {batch}")  # fmt: skip
+    meta = check.tensor("tile_scheduler_metadata", tile_scheduler_metadata)
+    check.dtype("tile_scheduler_metadata", meta, (torch.int32,))
+    if meta.ndim != 2 or meta.shape[1] != METADATA_SIZE or not meta.is_contiguous():
+        raise ValueError(f"tile_scheduler_metadata must be a contiguous [num_sm_parts, "
+                         f"{METADATA_SIZE}] tensor from get_mla_metadata")  # fmt: skip
+    ns = check.tensor("num_splits", num_splits)
+    check.dtype("num_splits", ns, (torch.int32,))
+    if tuple(ns.shape) != (batch + 1,):
+        raise ValueError(f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
+                         "was the metadata computed for other seqlens?")  # fmt: skip
+    device = check.same_device(q=q, k_cache=k, block_table=bt, cache_seqlens=sl,
+                               tile_scheduler_metadata=meta, num_splits=ns)  # fmt: skip
+    if check_block_table:
+        need = (sl.long() + k.shape[1] - 1) // k.shape[1]
+        cols = torch.arange(bt.shape[1], device=bt.device)[None, :]
+        used = cols < need[:, None]
+        if bool((need > bt.shape[1]).any()):
+            raise ValueError("block_table has fewer columns than some sequence needs")
+        bad = used & ((bt < 0) | (bt >= k.shape[0]))
+        if bool(bad.any()):
+            b, c = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache "
+                             f"(0..{k.shape[0] - 1})")  # fmt: skip
+    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
+    arch, target = runtime.target_of(device)
+    spec = MLADecodeSpec(d, head_dim_v, _dtypes.NAME[q.dtype], "portable", arch, target)
+    meta_p = runtime.meta_params(spec, rows=s_q * h_q)
+    return _launcher(spec)(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)

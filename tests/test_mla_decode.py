@@ -1,0 +1,95 @@
+"""flash_mla_with_kvcache against the float64 reference, over variants, pages, heads and rows."""
+
+import math
+
+import pytest
+import torch
+
+from kvgen import registry
+from kvgen.formats.mla_decode import mla_decode
+from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
+from kvgen.runtime import local_target
+
+ARCH, TARGET = local_target()
+VARIANTS = registry.variants(ARCH, TARGET, "mla_decode")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in seqlens]
+    num_blocks = sum(need) + 3
+    k_cache = torch.randn(num_blocks, page, 1, d, generator=gen).to(dtype)
+    pages = torch.randperm(num_blocks, generator=gen)  # pages in no particular order
+    table = torch.full((len(seqlens), max(max(need), 1) + 1), -7, dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb].to(torch.int32)
+        i += nb
+    q = torch.randn(len(seqlens), s_q, h_q, d, generator=gen).to(dtype)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    return q.to(device), k_cache.to(device), table.to(device), sl.to(device)
+
+
+def _check(q, k_cache, table, sl, dv, causal=False, scale=None):
+    meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
+    out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
+    ref_out, ref_lse = mla_decode(q.cpu(), k_cache.cpu(), table.cpu(), sl.cpu(), dv, scale, causal)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert not out.isnan().any()
+    rel = (out.cpu().double() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
+    assert rel < 1e-2, f"relative error {float(rel):.2e}"
+    finite = torch.isfinite(ref_lse)
+    assert (lse.cpu()[~finite] == -math.inf).all(), "rows with no key must have lse -inf"
+    assert (out.cpu()[(~finite).permute(0, 2, 1)] == 0).all(), "rows with no key must be 0"
+    err = (lse.cpu().double()[finite] - ref_lse[finite]).abs()
+    assert err.numel() == 0 or float(err.max()) < 1e-3
+
+
+@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
+def test_variant_unequal_lengths(spec, device):
+    q, k, t, sl = _problem([70, 0, 1, 130], 16, 4, 1, spec.head_dim, DTYPES[spec.dtype], device)
+    _check(q, k, t, sl, spec.head_dim_v)
+
+
+@pytest.mark.parametrize("page", [1, 5, 64, 256])
+def test_page_sizes(page, device):
+    q, k, t, sl = _problem([300, 17, 64], page, 2, 1, 576, torch.bfloat16, device, seed=page)
+    _check(q, k, t, sl, 512)
+
+
+@pytest.mark.parametrize("s_q,h_q", [(1, 1), (2, 3), (4, 8), (8, 2)])
+def test_speculative_rows_causal(s_q, h_q, device):
+    q, k, t, sl = _problem([1, 9, 150, 3], 16, h_q, s_q, 576, torch.bfloat16, device, seed=s_q)
+    _check(q, k, t, sl, 512, causal=True)
+
+
+def test_heads_not_a_multiple_of_the_tile_and_custom_scale(device):
+    q, k, t, sl = _problem([200, 40], 64, 22, 1, 288, torch.float16, device, seed=3)
+    _check(q, k, t, sl, 256, scale=0.05)
+
+
+def test_bad_arguments(device):
+    q, k, t, sl = _problem([20, 5], 16, 2, 1, 576, torch.bfloat16, device)
+    meta, splits = get_mla_metadata(sl, 2, 1)
+
+    def call(**kw):
+        args = dict(q=q, k_cache=k, block_table=t, cache_seqlens=sl, head_dim_v=512,
+                    tile_scheduler_metadata=meta, num_splits=splits) | kw  # fmt: skip
+        return flash_mla_with_kvcache(**args)
+
+    with pytest.raises(ValueError, match="head_dim mismatch"):
+        call(q=q[..., :512].contiguous())
+    with pytest.raises(ValueError, match="num_heads_k must be 1"):
+        call(k_cache=k.expand(-1, -1, 2, -1))
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        call(k_cache=k.half())
+    with pytest.raises(ValueError, match="computed for other seqlens"):
+        call(num_splits=get_mla_metadata(torch.cat([sl, sl]), 2, 1)[1])
+    with pytest.raises(TypeError, match="block_table must have dtype"):
+        call(block_table=t.long())
+    bad = t.clone()
+    bad[1, 0] = k.shape[0] + 5
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
+        call(block_table=bad, check_block_table=True)
