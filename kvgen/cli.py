@@ -192,8 +192,9 @@ def bench_cmd(
         str, typer.Option(help="Comma-separated num_tokens values.")
     ] = "1,16,256,4096,65536",
     ops: Annotated[
-        str, typer.Option(help="Comma-separated ops: mxfp4, int8, fp8e4m3, fp8e5m2, int4.")
-    ] = "mxfp4,int8,fp8e4m3,int4",
+        str,
+        typer.Option(help="Comma-separated ops: mxfp4, int8, fp8e4m3, fp8e5m2, int4, decode."),
+    ] = "mxfp4,int8,fp8e4m3,int4,decode",
     latent: Annotated[int, typer.Option(help="Latent width of the MXFP4 store.")] = 512,
     group: Annotated[int, typer.Option(help="MXFP4 group size.")] = 32,
     json_out: Annotated[
@@ -246,14 +247,14 @@ def bench_cmd(
     import itertools
 
     wanted = [o.strip() for o in ops.split(",") if o.strip()]
-    unknown = set(wanted) - {"mxfp4", "int8", "fp8e4m3", "fp8e5m2", "int4"}
+    unknown = set(wanted) - {"mxfp4", "int8", "fp8e4m3", "fp8e5m2", "int4", "decode"}
     if unknown:
         err.print(f"[red]error:[/] unknown ops {sorted(unknown)}")
         raise typer.Exit(2)
     cases = []
     if "mxfp4" in wanted:
         cases.append(store.mxfp4_cases(device, sizes, latent, group))
-    for fmt in (o for o in wanted if o != "mxfp4"):
+    for fmt in (o for o in wanted if o not in ("mxfp4", "decode")):
         for heads, head_size in store.KV_SHAPES:
             cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
     rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
@@ -266,6 +267,25 @@ def bench_cmd(
         table.add_row(*cells)
     console.print(table)
     console.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
+    decode_rows = []
+    if "decode" in wanted:
+        from kvgen.bench import decode
+
+        mm = decode.matmul_rate(device)
+        err.print(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
+        decode_rows = decode.run(device, copy_bw, mm, progress=lambda r: err.print(
+            f"  decode {r.lengths} h={r.heads}: {r.graph_us:.1f} us"))  # fmt: skip
+        dt = Table(title=f"MLA decode, batch 128, page 64 (copy {copy_bw / 1e9:.0f} GB/s, "
+                         f"matmul {mm / 1e12:.0f} TFLOP/s)")  # fmt: skip
+        for col in ("lengths", "heads", "us", "KV GB/s", "TFLOP/s", "x copy BW", "x matmul", "ok"):
+            dt.add_column(col, justify="left" if col == "lengths" else "right")
+        for r in decode_rows:
+            dt.add_row(r.lengths, str(r.heads), f"{r.graph_us:.1f}", f"{r.gbps:.0f}",
+                       f"{r.tflops:.0f}", f"{r.bw_ratio:.2f}", f"{r.mm_ratio:.2f}",
+                       "yes" if r.correct else "[red]NO[/]")  # fmt: skip
+        console.print(dt)
+        console.print("goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
+                      "mixed within 10% of equal")  # fmt: skip
     if json_out is not None:
         from dataclasses import asdict
 
@@ -275,10 +295,11 @@ def bench_cmd(
             "copy_bandwidth_GBps": copy_bw / 1e9,
             "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
             "results": [asdict(r) for r in rows],
+            "decode": [asdict(r) for r in decode_rows],
         }
         json_out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         err.print(f"wrote {json_out}")
-    if not all(r.correct for r in rows):
+    if not all(r.correct for r in [*rows, *decode_rows]):
         raise typer.Exit(1)
 
 
@@ -379,6 +400,8 @@ def tune_cmd(
 
 def _default_tuned(spec) -> bool:
     f = spec.fields()
+    if spec.family == "mla_decode":
+        return f["head_dim"] == 576 and f["dtype"] == "bf16"
     if spec.family == "store_mxfp4_mla":
         return f["latent"] == 512 and f["layout"] == "paged"
     return f["in_dtype"] == "bf16" and (f["head_size"], f["head_size_v"]) in (

@@ -73,7 +73,34 @@ def _kv_store(spec, bucket, device):
     return run, check, case.n_sets
 
 
+def _mla_decode(spec, bucket, device):
+    from kvgen.bench import decode
+    from kvgen.formats.mla_decode import mla_decode
+    from kvgen.ops import get_mla_metadata
+
+    rows = bucket["rows"]
+    lengths = [decode.SEQLEN] * decode.BATCH
+    q, k, table, sl = decode._make(lengths, rows, device, _dtypes.TORCH[spec.dtype])
+    meta, splits = get_mla_metadata(sl, rows, 1)
+    launch = load(spec).launch
+    scale = spec.head_dim**-0.5
+
+    def run(i, m):
+        launch(q, k, table, sl, meta, splits, scale, False, **m)
+
+    def check(m):
+        sub = slice(0, 2)
+        m2, s2 = get_mla_metadata(sl[sub], rows, 1)
+        out, _ = launch(q[sub], k, table[sub], sl[sub], m2, s2, scale, False, **m)
+        ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(),
+                            spec.head_dim_v)  # fmt: skip
+        return bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
+
+    return run, check, 1
+
+
 _BUILDERS = {
+    "mla_decode": _mla_decode,
     "store_mxfp4_mla": _mxfp4_store,
     "store_kv_per_token_head": _kv_store,
     "store_kv_int4_per_token_head": _kv_store,

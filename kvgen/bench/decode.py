@@ -1,0 +1,100 @@
+"""``kvgen bench --ops decode``: MLA decode against the copy bandwidth and the bf16 matmul rate
+measured in the same run (PERF.md), FlashMLA's headline shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvgen.bench import harness
+
+BATCH, PAGE, SEQLEN, HEAD_DIM, HEAD_DIM_V = 128, 64, 4096, 576, 512
+HEADS = (16, 32, 64, 128)
+
+
+@dataclasses.dataclass
+class DecodeRow:
+    variant: str
+    lengths: str
+    heads: int
+    seq_len_q: int
+    total_kv: int
+    graph_us: float
+    gbps: float  # KV bytes read / time
+    tflops: float
+    bw_ratio: float
+    mm_ratio: float
+    correct: bool
+
+
+def matmul_rate(device, n: int = 8192) -> float:
+    """bf16 dense matmul rate (FLOP/s) on random data, CUDA-graph timed."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    t = harness.graph_time_us(lambda i: torch.mm(a, b, out=c), 1, calls=3, replays=5)
+    return 2 * n**3 / (t * 1e-6)
+
+
+def mixed_lengths(total: int, batch: int, seed: int = 0) -> list[int]:
+    """``batch`` lengths in 1..16384 summing to ``total`` (the equal case's KV)."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.rand(batch, generator=gen) ** 2 + 0.02
+    lengths = (raw / raw.sum() * total).round().clamp(1, 16384).long()
+    lengths[0] += total - int(lengths.sum())
+    return [int(x) for x in lengths.clamp(1, 16384)]
+
+
+def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0):
+    need = [-(-n // PAGE) for n in lengths]
+    blocks = sum(need)
+    k_cache = torch.randn(blocks, PAGE, 1, HEAD_DIM, device=device, dtype=dtype)
+    pages = torch.randperm(blocks, device=device).to(torch.int32)
+    table = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=device)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb]
+        i += nb
+    q = torch.randn(len(lengths), 1, heads, HEAD_DIM, device=device, dtype=dtype)
+    sl = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return q, k_cache, table, sl
+
+
+def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> list[DecodeRow]:
+    from kvgen.formats.mla_decode import mla_decode
+    from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
+
+    rows = []
+    equal = [SEQLEN] * BATCH
+    for name, lengths in (
+        ("equal 4096", equal),
+        ("mixed 1-16384", mixed_lengths(sum(equal), BATCH)),
+    ):
+        for h in heads:
+            q, k, table, sl = _make(lengths, h, device)
+            meta, splits = get_mla_metadata(sl, h, 1)
+
+            def step(i, q=q, k=k, table=table, sl=sl, meta=meta, splits=splits):
+                flash_mla_with_kvcache(q, k, table, sl, HEAD_DIM_V, meta, splits)
+
+            t = harness.graph_time_us(step, 1, calls=8, replays=5)
+            total = sum(lengths)
+            kv_bytes = total * HEAD_DIM * 2
+            flops = 2 * h * total * (HEAD_DIM + HEAD_DIM_V)
+            # Correctness on the first sequences (the float64 reference runs on the CPU).
+            sub = slice(0, 3)
+            m2, s2 = get_mla_metadata(sl[sub], h, 1)
+            out, _ = flash_mla_with_kvcache(q[sub], k, table[sub], sl[sub], HEAD_DIM_V, m2, s2)
+            ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
+            ok = bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
+            row = DecodeRow("mla_decode-d576-dv512-bf16", name, h, 1, total, t,
+                            kv_bytes / (t * 1e-6) / 1e9, flops / (t * 1e-6) / 1e12,
+                            kv_bytes / (t * 1e-6) / copy_bw, flops / (t * 1e-6) / mm_rate,
+                            ok)  # fmt: skip
+            rows.append(row)
+            if progress:
+                progress(row)
+            del q, k, table, sl
+            torch.cuda.empty_cache()
+    return rows
