@@ -165,3 +165,16 @@ def test_quantization_error_is_bounded():
     group_amax = x.abs().reshape(64, 4, 4, 32).amax(-1).repeat_interleave(32, -1)
     widest_gap = max(b - a for a, b in zip(ref.INT4_LEVELS, ref.INT4_LEVELS[1:], strict=False))
     assert ((back - x).abs() <= group_amax * (widest_gap / 2 + 1e-3)).all()
+
+
+@pytest.mark.parametrize("tokens_per_program,heads_per_program", [(4, 2), (8, 1), (2, 4)])
+@pytest.mark.parametrize("spec", LAYOUT_SPECS, ids=lambda s: s.name)
+def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program, device,
+                                    monkeypatch):  # fmt: skip
+    """Meta-parameters the tuner may pick: tiles over tokens and heads, ragged at both ends."""
+    import kvgen.runtime
+
+    meta = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program,
+            "num_warps": 4, "num_stages": 1}  # fmt: skip
+    monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
+    _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")

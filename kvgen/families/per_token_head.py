@@ -37,6 +37,13 @@ def default_heads_per_program(num_heads: int, head_size: int) -> int:
     return max(1, min(_next_pow2(num_heads), _next_pow2(max(1, 1024 // head_size))))
 
 
+def default_tokens_per_program(num_tokens: int, heads: int, head_size: int) -> int:
+    # Few tokens: one per program (the shortest path). Many: about 2048 channels of K each.
+    if num_tokens <= 64:
+        return 1
+    return max(1, min(8, 2048 // (heads * _next_pow2(head_size))))
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreKVPerTokenHeadSpec(VariantSpec):
     family: ClassVar[str] = "store_kv_per_token_head"
@@ -70,8 +77,11 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
-        return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
+        width = max(self.head_size, self.head_size_v)
+        heads = default_heads_per_program(num_heads, width)
+        tokens = default_tokens_per_program(num_tokens, heads, width)
+        return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
+                "num_stages": 1}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +113,11 @@ class StoreKVInt4Spec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        heads = default_heads_per_program(num_heads, max(self.head_size, self.head_size_v))
-        return {"heads_per_program": heads, "num_warps": 4, "num_stages": 1}
+        width = max(self.head_size, self.head_size_v)
+        heads = default_heads_per_program(num_heads, width)
+        tokens = default_tokens_per_program(num_tokens, heads, width)
+        return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
+                "num_stages": 1}  # fmt: skip
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:
