@@ -44,6 +44,14 @@ def default_tokens_per_program(num_tokens: int, heads: int, head_size: int) -> i
     return max(1, min(8, 2048 // (heads * _next_pow2(head_size))))
 
 
+def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
+    width = max(spec.head_size, spec.head_size_v)
+    heads = default_heads_per_program(num_heads, width)
+    tokens = default_tokens_per_program(num_tokens, heads, width)
+    return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
+            "num_stages": 1}  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreKVPerTokenHeadSpec(VariantSpec):
     family: ClassVar[str] = "store_kv_per_token_head"
@@ -77,11 +85,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        width = max(self.head_size, self.head_size_v)
-        heads = default_heads_per_program(num_heads, width)
-        tokens = default_tokens_per_program(num_tokens, heads, width)
-        return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
-                "num_stages": 1}  # fmt: skip
+        return _default_meta(self, num_tokens, num_heads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +117,7 @@ class StoreKVInt4Spec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        width = max(self.head_size, self.head_size_v)
-        heads = default_heads_per_program(num_heads, width)
-        tokens = default_tokens_per_program(num_tokens, heads, width)
-        return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
-                "num_stages": 1}  # fmt: skip
+        return _default_meta(self, num_tokens, num_heads)
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:
