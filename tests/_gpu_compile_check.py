@@ -1,0 +1,81 @@
+"""Compile representative generated kernels for sm90 with Triton's real GPU pipeline (PTX, then
+its bundled ptxas): run by tests/test_gpu_compile.py in a process without TRITON_INTERPRET, so
+that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on any failure."""
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvgen.codegen import load  # noqa: E402
+from kvgen.families.mla_decode import MLADecodeSpec  # noqa: E402
+from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec  # noqa: E402
+from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec  # noqa: E402
+
+PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+failures = 0
+
+
+def compile_fn(label, fn, types, constexprs, warps=4):
+    global failures
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
+    try:
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs={}),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": 1})  # fmt: skip
+        assert kernel.asm["cubin"]
+        print(f"ok   {label} {constexprs}")
+    except Exception as exc:  # report every kernel, then fail
+        failures += 1
+        print(f"FAIL {label} {constexprs}: {str(exc)[:800]}")
+
+
+for spec in (
+    StoreMXFP4MLASpec(32, 512, "bf16", "paged"),
+    StoreMXFP4MLASpec(64, 448, "fp32", "flat"),
+):
+    words = "*i64" if spec.in_dtype == "fp32" else "*i32"
+    for rows, warps in ((1, 4), (4, 2)):
+        compile_fn(spec.name, load(spec).store_kernel,
+                   {"words_ptr": words, "slot_ptr": "*i64", "cache_ptr": "*u8"},
+                   {"ROWS": rows}, warps)  # fmt: skip
+spec = GatherMXFP4MLASpec(32, 448, "bf16", "paged")
+compile_fn(
+    spec.name,
+    load(spec).gather_kernel,
+    {"cache_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": "*bf16"},
+    {"ROWS": 4},
+)
+
+for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
+             StoreKVPerTokenHeadSpec("fp8e4m3", 576, 512, "bf16"),
+             StoreKVPerTokenHeadSpec("fp8e5m2", 80, 96, "fp16"),
+             StoreKVInt4Spec(32, 128, 128, "bf16"),
+             StoreKVInt4Spec(16, 80, 64, "fp32")):  # fmt: skip
+    cache = {"int8": "*i8", "fp8e4m3": "*fp8e4nv", "fp8e5m2": "*fp8e5"}.get(
+        getattr(spec, "fmt", ""), "*u8")  # fmt: skip
+    scale = "*fp16" if cache == "*u8" else "*fp32"
+    types = {"key_ptr": PTR[spec.in_dtype], "value_ptr": PTR[spec.in_dtype],
+             "key_cache_ptr": cache, "value_cache_ptr": cache, "k_scale_ptr": scale,
+             "v_scale_ptr": scale, "slot_ptr": "*i64"}  # fmt: skip
+    for tokens, heads in ((1, 8), (4, 2)):
+        compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
+
+for spec in (MLADecodeSpec(576, 512, "bf16"), MLADecodeSpec(288, 256, "fp16")):
+    mod = load(spec)
+    dt = PTR[spec.dtype]
+    types = {"q_ptr": dt, "k_ptr": dt, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
+             "meta_ptr": "*i32", "num_splits_ptr": "*i32", "o_acc_ptr": "*fp32",
+             "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
+    for bh, bn in ((16, 32), (64, 64)):
+        compile_fn(spec.name, mod.split_kernel, types,
+                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn})  # fmt: skip
+    compile_fn(spec.name, mod.combine_kernel,
+               {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "num_splits_ptr": "*i32",
+                "out_ptr": dt, "lse_ptr": "*fp32"}, {"BLOCK_H": 16})  # fmt: skip
+
+sys.exit(1 if failures else 0)
