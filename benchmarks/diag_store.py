@@ -34,6 +34,7 @@ def launch(rows, warps, tokens=65536, dtype="bf16", latent=512):
         1,
         cache.shape[0] * 64,
         64,
+        6,  # log2(block_size)
         cache.stride(0),
         ROWS=rows,
         num_warps=warps,
