@@ -95,3 +95,16 @@ def test_verify_kv_variant():
     result = runner.invoke(app, ["verify", name])
     assert result.exit_code == 0, result.output
     assert "1 passed, 0 failed" in result.output
+
+
+def test_every_family_has_a_verifier():
+    from kvgen.verify import VERIFIERS
+
+    assert set(registry.families()) <= set(VERIFIERS)
+
+
+def test_verify_decode_variant():
+    name = f"mla_decode-d288-dv256-fp16-portable-{ARCH}-{TARGET}"
+    result = runner.invoke(app, ["verify", name])
+    assert result.exit_code == 0, result.output
+    assert "1 passed, 0 failed" in result.output
