@@ -174,6 +174,19 @@ def meta_params(spec, **size: int) -> dict[str, int]:
     return dict(_lookup(spec, tuple(sorted(size.items()))))
 
 
+def tuned_time(spec, **size: int) -> float | None:
+    """The measured time (us) of ``spec``'s tuned entry nearest ``size``; None if not tuned.
+
+    An entry exists only for what the tuner ran and checked against the reference on a GPU,
+    which is what lets the ops choose between variants by it.
+    """
+    if not use_tuned or spec.target != "gpu":
+        return None
+    entries = table(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV)).get(spec.name) or {}
+    key = nearest_bucket(list(entries), size)
+    return None if key is None else float(entries[key]["time_us"])
+
+
 def reset() -> None:
     """Forget loaded files and warnings (tests; a changed override folder)."""
     table.cache_clear()

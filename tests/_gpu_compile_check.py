@@ -65,15 +65,24 @@ for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
     for tokens, heads in ((1, 8), (4, 2)):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
 
-for spec in (MLADecodeSpec(576, 512, "bf16"), MLADecodeSpec(288, 256, "fp16")):
+for spec in (
+    MLADecodeSpec(576, 512, "bf16"),
+    MLADecodeSpec(288, 256, "fp16"),
+    MLADecodeSpec(576, 512, "bf16", "tma"),
+    MLADecodeSpec(512, 512, "fp16", "tma"),
+):
     mod = load(spec)
     dt = PTR[spec.dtype]
     types = {"q_ptr": dt, "k_ptr": dt, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
              "meta_ptr": "*i32", "num_splits_ptr": "*i32", "o_acc_ptr": "*fp32",
              "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
     for bh, bn in ((16, 32), (64, 64)):
+        if spec.variant == "tma":
+            chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v
+            types["k_lat_desc"] = f"tensordesc<{spec.dtype}[{bn}, {chunk}]>"
+            types["k_rope_desc"] = f"tensordesc<{spec.dtype}[{bn}, {rope}]>"
         compile_fn(spec.name, mod.split_kernel, types,
-                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn})  # fmt: skip
+                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2})  # fmt: skip
     compile_fn(spec.name, mod.combine_kernel,
                {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "num_splits_ptr": "*i32",
                 "out_ptr": dt, "lse_ptr": "*fp32"}, {"BLOCK_H": 16})  # fmt: skip

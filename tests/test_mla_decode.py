@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvgen import registry
+from kvgen.codegen import load
 from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
 from kvgen.runtime import local_target
@@ -31,9 +32,15 @@ def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
     return q.to(device), k_cache.to(device), table.to(device), sl.to(device)
 
 
-def _check(q, k_cache, table, sl, dv, causal=False, scale=None):
+def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None):
     meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
-    out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
+    if spec is None:
+        out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
+    else:  # a given variant, through its generated launcher
+        rows = q.shape[1] * q.shape[2]
+        out, lse = load(spec).launch(q, k_cache, table, sl, meta, splits,
+                                     scale or q.shape[-1] ** -0.5, causal,
+                                     **spec.default_meta(rows=rows))  # fmt: skip
     ref_out, ref_lse = mla_decode(q.cpu(), k_cache.cpu(), table.cpu(), sl.cpu(), dv, scale, causal)
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
@@ -49,8 +56,9 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None):
 
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
 def test_variant_unequal_lengths(spec, device):
-    q, k, t, sl = _problem([70, 0, 1, 130], 16, 4, 1, spec.head_dim, DTYPES[spec.dtype], device)
-    _check(q, k, t, sl, spec.head_dim_v)
+    page = 64 if spec.variant == "tma" else 16  # tma tiles never cross a page
+    q, k, t, sl = _problem([70, 0, 1, 130], page, 4, 2, spec.head_dim, DTYPES[spec.dtype], device)
+    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec)
 
 
 @pytest.mark.parametrize("page", [1, 5, 64, 256])
@@ -93,3 +101,43 @@ def test_bad_arguments(device):
     bad[1, 0] = k.shape[0] + 5
     with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
         call(block_table=bad, check_block_table=True)
+
+
+def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
+    import json
+
+    from kvgen import configs
+    from kvgen.families.mla_decode import MLADecodeSpec
+    from kvgen.ops._mla_decode import _choose
+
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
+    configs.reset()
+    k = torch.empty(8, 64, 1, 576, dtype=torch.bfloat16)
+    pick = lambda k, arch="sm90": _choose(MLADecodeSpec, 576, 512, "bf16", arch, "gpu", k, 16)  # noqa: E731
+    assert pick(k).variant == "portable"  # not tuned: never chosen blind
+    tma = MLADecodeSpec(576, 512, "bf16", "tma", "sm90", "gpu")
+    meta = {"block_h": 16, "block_n": 64, "block_h_combine": 16, "num_warps": 8, "num_stages": 2}
+    doc = {"schema_version": 1, "family": "mla_decode",
+           "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x", "torch": "x",
+                   "triton": "x"},
+           "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
+           "entries": {tma.name: {"rows=16": {"meta": meta, "time_us": 1.0,
+                                               "default_time_us": 2.0}}}}  # fmt: skip
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert pick(k).variant == "tma"
+    assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "portable"  # page
+    assert pick(k[:, :, :, :]).variant == "tma"
+    strided = torch.empty(8, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]
+    assert pick(strided).variant == "portable"  # rows not contiguous
+    assert pick(k, arch="sm80").variant == "portable"
+    # A faster tuned portable entry wins.
+    portable = MLADecodeSpec(576, 512, "bf16", "portable", "sm90", "gpu")
+    doc["entries"][portable.name] = {"rows=16": {"meta": meta, "time_us": 0.5,
+                                                 "default_time_us": 0.6}}  # fmt: skip
+    (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert pick(k).variant == "portable"
+    configs.reset()

@@ -12,7 +12,8 @@ WIDTHS = ((576, 512), (512, 512), (288, 256))
 # The split-KV schedule's unit: get_mla_metadata cuts sequences into blocks of this many
 # tokens, and the decode kernels walk those blocks.
 SCHED_BLOCK = 64
-VARIANTS = ("portable",)
+TMA_ARCHS = ("sm90", "sm100")
+VARIANTS = ("portable", "tma")  # tma: Hopper tensor descriptors, pipelined KV loop
 
 
 def _pow2(v: int) -> bool:
@@ -36,6 +37,8 @@ class MLADecodeSpec(VariantSpec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def check_combination(self) -> None:
+        if self.variant == "tma" and self.arch not in TMA_ARCHS:
+            raise SpecError(f"{self.family}: the tma variant needs {TMA_ARCHS}, not {self.arch}")
         rope = self.head_dim - self.head_dim_v
         if not _pow2(self.head_dim_v) or rope < 0 or (rope and not _pow2(rope)):
             raise SpecError(
@@ -44,10 +47,14 @@ class MLADecodeSpec(VariantSpec):
             )
 
     def derived(self) -> dict[str, Any]:
+        # Latent channels per K chunk: all of them, or a TMA box (at most 256) for sm90.
+        chunk = min(256, self.head_dim_v) if self.variant == "tma" else self.head_dim_v
         return {
             "torch_dtype": TORCH_DTYPE[self.dtype],
             "rope": self.head_dim - self.head_dim_v,
             "sched_block": SCHED_BLOCK,
+            "chunk": chunk,
+            "nchunk": self.head_dim_v // chunk,
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
@@ -61,4 +68,5 @@ def variants(arch: str, target: str) -> list[VariantSpec]:
         for d, dv in WIDTHS
         for dt in ("bf16", "fp16")
         for v in VARIANTS
+        if v == "portable" or arch in TMA_ARCHS
     ]

@@ -102,6 +102,30 @@ def flash_mla_with_kvcache(
                              f"(0..{k.shape[0] - 1})")  # fmt: skip
     scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
-    spec = MLADecodeSpec(d, head_dim_v, _dtypes.NAME[q.dtype], "portable", arch, target)
+    spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k,
+                   s_q * h_q)  # fmt: skip
     meta_p = runtime.meta_params(spec, rows=s_q * h_q)
     return _launcher(spec)(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)
+
+
+def _choose(cls, d, dv, dtype, arch, target, k, rows):
+    """The Hopper (tma) variant where it applies, has been tuned on this arch (tuning checks
+    every candidate against the reference on the GPU) and measured no slower than the portable
+    one; otherwise the portable one."""
+    from kvgen import configs
+    from kvgen.families.mla_decode import TMA_ARCHS
+
+    portable = cls(d, dv, dtype, "portable", arch, target)
+    if arch not in TMA_ARCHS:
+        return portable
+    tma = cls(d, dv, dtype, "tma", arch, target)
+    block_n = runtime.meta_params(tma, rows=rows)["block_n"]
+    rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
+    aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
+    if k.shape[1] % block_n or not rows_contiguous or not aligned:
+        return portable
+    t_tma = configs.tuned_time(tma, rows=rows)
+    t_portable = configs.tuned_time(portable, rows=rows)
+    if t_tma is None or (t_portable is not None and t_portable < t_tma):
+        return portable
+    return tma
