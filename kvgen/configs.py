@@ -182,8 +182,13 @@ def tuned_time(spec, **size: int) -> float | None:
     """
     if not use_tuned or spec.target != "gpu":
         return None
+    return _tuned_time(spec, tuple(sorted(size.items())))
+
+
+@lru_cache(maxsize=4096)
+def _tuned_time(spec, size_items: tuple[tuple[str, int], ...]) -> float | None:
     entries = table(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV)).get(spec.name) or {}
-    key = nearest_bucket(list(entries), size)
+    key = nearest_bucket(list(entries), dict(size_items))
     return None if key is None else float(entries[key]["time_us"])
 
 
@@ -191,4 +196,5 @@ def reset() -> None:
     """Forget loaded files and warnings (tests; a changed override folder)."""
     table.cache_clear()
     _lookup.cache_clear()
+    _tuned_time.cache_clear()
     _warned.clear()

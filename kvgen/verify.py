@@ -16,6 +16,7 @@ import torch
 from kvgen import _dtypes
 from kvgen.codegen.spec import VariantSpec
 from kvgen.formats import mxfp4
+from kvgen.formats.per_token_head import INT4_BOUNDARIES
 
 GUARD_BYTES = 4096
 POISON = 0xFF
@@ -269,9 +270,7 @@ def edge_case_heads(tokens: int, heads: int, head_size: int, dtype, seed: int = 
         torch.cat(
             [
                 torch.tensor([1.0]),
-                torch.tensor(
-                    [0.024863, 0.100270, 0.204019, 0.315684, 0.442468, 0.599833, 0.844438]
-                ).repeat(d)[: d - 1],
+                torch.tensor(INT4_BOUNDARIES).repeat(d)[: d - 1],
             ]
         ),  # int4 boundaries at scale 1
         torch.randn(d, generator=gen) * torch.where(torch.arange(d) % 17 == 3, 50.0, 1.0),

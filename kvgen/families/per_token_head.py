@@ -8,10 +8,9 @@ from typing import Any, ClassVar
 
 from kvgen.codegen.spec import ARCHS, TARGETS, VariantSpec, axis
 from kvgen.families.mxfp4_mla import FLOAT_DTYPES, TORCH_DTYPE
-from kvgen.formats.per_token_head import INT4_BOUNDARIES
+from kvgen.formats.per_token_head import INT4_BOUNDARIES, INT4_CHANNELS
 
 FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
-INT4_CHANNELS = (16, 32, 64, 128)
 # (head_size, head_size_v) pairs every variant list covers; other sizes generate on demand.
 HEAD_SIZES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512))
 
@@ -26,6 +25,12 @@ _FMT = {
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def int4_channels_for(head_size: int, groups: int) -> int | None:
+    """Channels per scale that give ``groups`` scales per head (the smallest such: when several
+    do, they all make a single group, so the bytes are the same)."""
+    return next((c for c in INT4_CHANNELS if -(-head_size // c) == groups), None)
 
 
 def _head_ok(v: Any) -> bool:

@@ -108,6 +108,11 @@ def flash_mla_with_kvcache(
     return _launcher(spec)(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)
 
 
+@cache
+def _spec(cls, *fields):
+    return cls(*fields)  # validated once per specialisation, not on every call
+
+
 def _choose(cls, d, dv, dtype, arch, target, k, rows):
     """The Hopper (tma) variant where it applies, has been tuned on this arch (tuning checks
     every candidate against the reference on the GPU) and measured no slower than the portable
@@ -115,10 +120,10 @@ def _choose(cls, d, dv, dtype, arch, target, k, rows):
     from kvgen import configs
     from kvgen.families.mla_decode import TMA_ARCHS
 
-    portable = cls(d, dv, dtype, "portable", arch, target)
+    portable = _spec(cls, d, dv, dtype, "portable", arch, target)
     if arch not in TMA_ARCHS:
         return portable
-    tma = cls(d, dv, dtype, "tma", arch, target)
+    tma = _spec(cls, d, dv, dtype, "tma", arch, target)
     block_n = runtime.meta_params(tma, rows=rows)["block_n"]
     rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
     aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0

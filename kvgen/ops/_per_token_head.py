@@ -8,7 +8,13 @@ import torch
 
 from kvgen import _dtypes, runtime
 from kvgen.codegen import load
-from kvgen.families.per_token_head import INT4_CHANNELS, StoreKVInt4Spec, StoreKVPerTokenHeadSpec
+from kvgen.families.per_token_head import (
+    INT4_CHANNELS,
+    StoreKVInt4Spec,
+    StoreKVPerTokenHeadSpec,
+    int4_channels_for,
+)
+from kvgen.formats.per_token_head import INT4_LEVELS
 from kvgen.ops import _checks as check
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -76,8 +82,24 @@ def _check_scales(name, scales, like, num_heads, groups, dtype):
 
 
 @cache
-def _launcher(spec):
-    return load(spec).launch
+def _variant(cls, fmt, head_size, head_size_v, dtype, device):
+    """The spec and launcher of one specialisation (built once, not on every call)."""
+    arch, target = runtime.target_of(device)
+    spec = cls(fmt, head_size, head_size_v, _dtypes.NAME[dtype], arch, target)
+    return spec, load(spec).launch
+
+
+def _store(cls, fmt, key, value, caches, slots) -> None:
+    """Launch the store of ``cls`` once every argument has been checked."""
+    device = check.same_device(
+        key=key, value=value, key_cache=caches[0], value_cache=caches[1],
+        k_scale_cache=caches[2], v_scale_cache=caches[3], slot_mapping=slots,
+    )  # fmt: skip
+    if key.shape[0] == 0:
+        return
+    spec, launch = _variant(cls, fmt, key.shape[2], value.shape[2], key.dtype, device)
+    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=key.shape[1])
+    launch(key, value, *caches, slots, **meta)
 
 
 def triton_reshape_and_cache_flash_per_token_head_quant(
@@ -116,18 +138,7 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
         raise TypeError(f"value_cache must have key_cache's dtype {kc.dtype}; got {vc.dtype}")
     ks = _check_scales("k_scale_cache", k_scale_cache, kc, num_heads, None, torch.float32)
     vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads, None, torch.float32)
-    device = check.same_device(
-        key=key, value=value, key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
-        slot_mapping=slots,
-    )  # fmt: skip
-    if key.shape[0] == 0:
-        return
-    arch, target = runtime.target_of(device)
-    spec = StoreKVPerTokenHeadSpec(
-        fmt, head_size, head_size_v, _dtypes.NAME[key.dtype], arch, target
-    )
-    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=num_heads)
-    _launcher(spec)(key, value, kc, vc, ks, vs, slots, **meta)
+    _store(StoreKVPerTokenHeadSpec, fmt, key, value, (kc, vc, ks, vs), slots)
 
 
 def triton_reshape_and_cache_flash_int4_per_token_head(
@@ -161,7 +172,7 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     ks = check.tensor("k_scale_cache", k_scale_cache)
     check.ndim("k_scale_cache", ks, 4, "[num_blocks, block_size, num_kv_heads, groups]")
     groups = ks.shape[3]
-    channels = next((c for c in INT4_CHANNELS if -(-head_size // c) == groups), None)
+    channels = int4_channels_for(head_size, groups)
     if channels is None:
         options = ", ".join(f"{-(-head_size // c)} (C={c})" for c in INT4_CHANNELS)
         raise ValueError(
@@ -171,21 +182,10 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     ks = _check_scales("k_scale_cache", ks, kc, num_heads, groups, torch.float16)
     vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads,
                        -(-head_size_v // channels), torch.float16)  # fmt: skip
-    device = check.same_device(
-        key=key, value=value, key_cache=kc, value_cache=vc, k_scale_cache=ks, v_scale_cache=vs,
-        slot_mapping=slots,
-    )  # fmt: skip
-    if key.shape[0] == 0:
-        return
-    arch, target = runtime.target_of(device)
-    spec = StoreKVInt4Spec(channels, head_size, head_size_v, _dtypes.NAME[key.dtype], arch, target)
-    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=num_heads)
-    _launcher(spec)(key, value, kc, vc, ks, vs, slots, **meta)
+    _store(StoreKVInt4Spec, channels, key, value, (kc, vc, ks, vs), slots)
 
 
-_INT4_LEVELS = torch.tensor(
-    [0.0, 0.049726, 0.150815, 0.257223, 0.374146, 0.510790, 0.688876, 1.0], dtype=torch.float32
-)
+_INT4_LEVELS = torch.tensor(INT4_LEVELS, dtype=torch.float32)
 
 
 def _read(cache_t, scales, slots, head_size, out_dtype):
@@ -200,7 +200,7 @@ def _read(cache_t, scales, slots, head_size, out_dtype):
         codes = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)[..., :head_size]
         levels = _INT4_LEVELS.to(q.device)[codes & 7]
         vals = torch.where(codes >= 8, -levels, levels)
-        per = next(c for c in INT4_CHANNELS if -(-head_size // c) == sc.shape[-1])
+        per = int4_channels_for(head_size, sc.shape[-1])
         vals = vals * sc.repeat_interleave(per, dim=-1)[..., :head_size]
     else:
         vals = q.float() * sc[..., None]
