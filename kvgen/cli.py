@@ -274,13 +274,14 @@ def bench_cmd(
         mm = decode.matmul_rate(device)
         err.print(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
         decode_rows = decode.run(device, copy_bw, mm, progress=lambda r: err.print(
-            f"  decode {r.lengths} h={r.heads}: {r.graph_us:.1f} us"))  # fmt: skip
+            f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"))  # fmt: skip
         dt = Table(title=f"MLA decode, batch 128, page 64 (copy {copy_bw / 1e9:.0f} GB/s, "
                          f"matmul {mm / 1e12:.0f} TFLOP/s)")  # fmt: skip
-        for col in ("lengths", "heads", "us", "KV GB/s", "TFLOP/s", "x copy BW", "x matmul", "ok"):
-            dt.add_column(col, justify="left" if col == "lengths" else "right")
+        for col in ("variant", "lengths", "heads", "us", "KV GB/s", "TFLOP/s", "x copy BW",
+                    "x matmul", "ok"):  # fmt: skip
+            dt.add_column(col, justify="left" if col in ("variant", "lengths") else "right")
         for r in decode_rows:
-            dt.add_row(r.lengths, str(r.heads), f"{r.graph_us:.1f}", f"{r.gbps:.0f}",
+            dt.add_row(r.variant, r.lengths, str(r.heads), f"{r.graph_us:.1f}", f"{r.gbps:.0f}",
                        f"{r.tflops:.0f}", f"{r.bw_ratio:.2f}", f"{r.mm_ratio:.2f}",
                        "yes" if r.correct else "[red]NO[/]")  # fmt: skip
         console.print(dt)

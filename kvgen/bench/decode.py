@@ -61,9 +61,60 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0):
     return q, k_cache, table, sl
 
 
+def _callers(device, k):
+    """(label, call) pairs for the 576/512 bf16 decode on cache ``k``: every variant this arch
+    has, launched directly with its tuned (or default) meta-parameters, and ``auto``: the op,
+    whose wrapper picks the variant. ``call(q, table, seqlens, meta, splits) -> (out, lse)``."""
+    from kvgen import runtime
+    from kvgen.codegen import load
+    from kvgen.codegen.spec import SpecError
+    from kvgen.families.mla_decode import VARIANTS, MLADecodeSpec
+    from kvgen.ops import flash_mla_with_kvcache
+
+    arch, target = runtime.target_of(device)
+    scale = HEAD_DIM**-0.5
+    out = []
+    for v in VARIANTS:
+        try:
+            spec = MLADecodeSpec(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
+        except SpecError:
+            continue
+        launch = load(spec).launch
+
+        def call(q, table, sl, meta, splits, launch=launch, spec=spec):
+            mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])
+            return launch(q, k, table, sl, meta, splits, scale, False, **mp)
+
+        out.append((spec.name, call))
+
+    def auto(q, table, sl, meta, splits):
+        return flash_mla_with_kvcache(q, k, table, sl, HEAD_DIM_V, meta, splits)
+
+    out.append(("auto", auto))
+    return out
+
+
+def _time_one(label, call, name, lengths, h, q, table, sl, copy_bw, mm_rate, ref):
+    from kvgen.ops import get_mla_metadata
+
+    meta, splits = get_mla_metadata(sl, h, 1)
+    t = harness.graph_time_us(lambda i: call(q, table, sl, meta, splits), 1, calls=8, replays=5)
+    total = sum(lengths)
+    kv_bytes = total * HEAD_DIM * 2
+    flops = 2 * h * total * (HEAD_DIM + HEAD_DIM_V)
+    sub = slice(0, ref.shape[0])  # correctness on the first sequences
+    m2, s2 = get_mla_metadata(sl[sub], h, 1)
+    out, _ = call(q[sub], table[sub], sl[sub], m2, s2)
+    ok = bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
+    return DecodeRow(label, name, h, 1, total, t,
+                     kv_bytes / (t * 1e-6) / 1e9, flops / (t * 1e-6) / 1e12,
+                     kv_bytes / (t * 1e-6) / copy_bw, flops / (t * 1e-6) / mm_rate,
+                     ok)  # fmt: skip
+
+
 def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> list[DecodeRow]:
+    """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches."""
     from kvgen.formats.mla_decode import mla_decode
-    from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
 
     rows = []
     equal = [SEQLEN] * BATCH
@@ -73,28 +124,13 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
     ):
         for h in heads:
             q, k, table, sl = _make(lengths, h, device)
-            meta, splits = get_mla_metadata(sl, h, 1)
-
-            def step(i, q=q, k=k, table=table, sl=sl, meta=meta, splits=splits):
-                flash_mla_with_kvcache(q, k, table, sl, HEAD_DIM_V, meta, splits)
-
-            t = harness.graph_time_us(step, 1, calls=8, replays=5)
-            total = sum(lengths)
-            kv_bytes = total * HEAD_DIM * 2
-            flops = 2 * h * total * (HEAD_DIM + HEAD_DIM_V)
-            # Correctness on the first sequences (the float64 reference runs on the CPU).
-            sub = slice(0, 3)
-            m2, s2 = get_mla_metadata(sl[sub], h, 1)
-            out, _ = flash_mla_with_kvcache(q[sub], k, table[sub], sl[sub], HEAD_DIM_V, m2, s2)
+            sub = slice(0, 3)  # the float64 reference runs on the CPU: a few sequences
             ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
-            ok = bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
-            row = DecodeRow("mla_decode-d576-dv512-bf16", name, h, 1, total, t,
-                            kv_bytes / (t * 1e-6) / 1e9, flops / (t * 1e-6) / 1e12,
-                            kv_bytes / (t * 1e-6) / copy_bw, flops / (t * 1e-6) / mm_rate,
-                            ok)  # fmt: skip
-            rows.append(row)
-            if progress:
-                progress(row)
+            for label, call in _callers(device, k):
+                row = _time_one(label, call, name, lengths, h, q, table, sl, copy_bw, mm_rate, ref)
+                rows.append(row)
+                if progress:
+                    progress(row)
             del q, k, table, sl
             torch.cuda.empty_cache()
     return rows
