@@ -58,8 +58,16 @@ class MLADecodeSpec(VariantSpec):
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
-        return {"block_h": 16, "block_n": 32, "block_h_combine": 16, "num_warps": 4,
-                "num_stages": 1}  # fmt: skip
+        from kvgen.space import ARCH_LIMITS
+
+        # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
+        # wgmma tiles spill; the tuner measures whether they pay off anyway).
+        block_n = 32
+        # Two K tiles in flight where shared memory holds them.
+        tile = block_n * self.head_dim * 2
+        stages = 2 if 2 * tile <= ARCH_LIMITS[self.arch]["smem_bytes"] else 1
+        return {"block_h": 16, "block_n": block_n, "block_h_combine": 16, "num_warps": 4,
+                "num_stages": stages, "split_factor": 2 if rows <= 32 else 1}  # fmt: skip
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:

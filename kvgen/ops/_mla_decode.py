@@ -134,3 +134,24 @@ def _choose(cls, d, dv, dtype, arch, target, k, rows):
     if t_tma is None or (t_portable is not None and t_portable < t_tma):
         return portable
     return tma
+
+
+def split_factor(device: torch.device, rows: int) -> int:
+    """The split policy ``get_mla_metadata`` uses: the tuned ``split_factor`` of the 576/512
+    bf16 decode (DeepSeek's shape) for this arch and ``rows`` = seq_len_q * num_heads_q, from
+    the variant tuning measured fastest there; the template default if none is tuned. The
+    metadata does not know the cache's width or dtype, so this one policy serves them all: it
+    affects only the speed, never the result."""
+    return _split_factor(*runtime.target_of(device), rows)
+
+
+def _split_factor(arch, target, rows):
+    from kvgen import configs
+    from kvgen.families.mla_decode import TMA_ARCHS
+
+    specs = [_spec(MLADecodeSpec, 576, 512, "bf16", "portable", arch, target)]
+    if arch in TMA_ARCHS:
+        specs.append(_spec(MLADecodeSpec, 576, 512, "bf16", "tma", arch, target))
+    timed = [(t, s) for s in specs if (t := configs.tuned_time(s, rows=rows)) is not None]
+    best = min(timed, key=lambda ts: ts[0])[1] if timed else specs[0]
+    return runtime.meta_params(best, rows=rows)["split_factor"]

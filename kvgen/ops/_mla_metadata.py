@@ -28,9 +28,13 @@ FIXED_COST = 5  # per sequence: Q load, output write and combine, in KV-block un
 HEADS_PER_PART = 64  # query heads one work unit processes (FlashMLA's tile)
 
 
-def num_sm_parts(num_sms: int, num_heads_per_head_k: int, num_heads_k: int) -> int:
+def num_sm_parts(
+    num_sms: int, num_heads_per_head_k: int, num_heads_k: int, split_factor: int = 1
+) -> int:
+    """Work units: ``split_factor`` per SM (the tuned split policy; FlashMLA uses 1), shared by
+    the head tiles of HEADS_PER_PART query heads."""
     head_tiles = -(-num_heads_per_head_k // HEADS_PER_PART)
-    return max(1, num_sms // (num_heads_k * head_tiles))
+    return max(1, num_sms * split_factor // (num_heads_k * head_tiles))
 
 
 def schedule(cache_seqlens: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +108,11 @@ def get_mla_metadata(
         check.int_arg(name, v)
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
+    from kvgen.ops._mla_decode import split_factor
+
     if seqlens.device.type == "cuda":
         sms = torch.cuda.get_device_properties(seqlens.device).multi_processor_count
     else:
         sms = 8  # the interpreter: a few work units are enough to exercise splitting
-    return schedule(seqlens, num_sm_parts(sms, num_heads_per_head_k, num_heads_k))
+    split = split_factor(seqlens.device, num_heads_per_head_k)
+    return schedule(seqlens, num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split))
