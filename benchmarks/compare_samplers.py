@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 
 from kvgen.families.mla_decode import MLADecodeSpec
 from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec
@@ -31,15 +33,18 @@ CASES = [
 ]  # fmt: skip
 
 
-def measure_grid(spec, bucket, space, fake: bool) -> dict[str, float | None]:
+def measure_grid(spec, bucket, space, fake: bool, jobs: int = 1) -> dict[str, float | None]:
     """Time of every grid point (None: breaks a constraint or fails)."""
     if fake:
 
         def evaluate(m):
             return 10 + sum((v - 3) ** 2 for v in m.values()) * 0.1
     else:
+        from kvgen.tune.precompile import precompile
         from kvgen.tune.problems import gpu_evaluator
 
+        feasible = [m for m in space.points() if not space.violations(spec, m)]
+        precompile(spec, bucket, feasible, jobs, progress=lambda m: print(m, file=sys.stderr))
         evaluate = gpu_evaluator(spec, bucket)
     times = {}
     for point in space.points():
@@ -74,17 +79,29 @@ def main() -> None:
     ap.add_argument("--fake", action="store_true", help="made-up costs, no GPU")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="processes compiling the grid up front (timing stays serial)",
+    )
     args = ap.parse_args()
-    out = []
+    out, grids = [], []
     for spec, bucket in CASES:
         space = load_space(spec.template)
-        times = measure_grid(spec, bucket, space, args.fake)
+        t0 = time.monotonic()
+        times = measure_grid(spec, bucket, space, args.fake, args.jobs)
+        grid_seconds = time.monotonic() - t0
         valid = [t for t in times.values() if t is not None]
         grid_best = min(valid)
+        best_point = min((t, k) for k, t in times.items() if t is not None)[1]
+        grids.append({"variant": spec.name, "bucket": bucket, "seconds": grid_seconds,
+                      "best": json.loads(best_point), "times_us": times})  # fmt: skip
         for n in (10, 20, 40):
             ratios = [tpe_best(spec, bucket, space, times, n, s) / grid_best
                       for s in range(args.seeds)]  # fmt: skip
             row = {"variant": spec.name, "bucket": bucket, "grid_points": len(times),
+                   "feasible_points": len(valid),
                    "n_trials": n, "median_ratio": statistics.median(ratios),
                    "worst_ratio": max(ratios), "grid_best_us": grid_best}  # fmt: skip
             out.append(row)
@@ -93,8 +110,14 @@ def main() -> None:
                 f"TPE@{n}: median x{row['median_ratio']:.3f}, worst x{row['worst_ratio']:.3f}"
             )
     if args.json:
+        env = None
+        if not args.fake:
+            from kvgen.bench.harness import environment
+
+            env = environment()
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, sort_keys=True)
+            json.dump({"env": env, "comparison": out, "grids": grids}, f, indent=2,
+                      sort_keys=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -325,6 +325,15 @@ def tune_cmd(
         Path | None, typer.Option(help="tuned_configs folder to write (default: the package's).")
     ] = None,
     force: Annotated[bool, typer.Option(help="Tune although this GPU is not --arch.")] = False,
+    jobs_opt: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            help="Processes that compile each variant's candidates "
+            "up front (timing stays serial). Default: CPU count - 1; 1: off.",
+        ),
+    ] = 0,
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
@@ -371,7 +380,18 @@ def tune_cmd(
                     continue
                 jobs.append((spec, space, bucket))
     err.print(f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}")
+    workers = jobs_opt if jobs_opt > 0 else max(1, (os.cpu_count() or 2) - 1)
+    compiled = set()
     for i, (spec, space, bucket) in enumerate(jobs, 1):
+        if workers > 1 and spec.name not in compiled:
+            from kvgen.tune.precompile import precompile
+
+            # Triton specialises integer arguments (== 1, multiples of 16): compile with a
+            # middle bucket, which shares its binaries with most of the others.
+            mine = [b for s, _, b in jobs if s.name == spec.name]
+            feasible = [m for m in space.points() if not space.violations(spec, m)]
+            precompile(spec, mine[len(mine) // 2], feasible, workers, progress=err.print)
+            compiled.add(spec.name)
         label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
 
         def show(r, label=label):

@@ -108,7 +108,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
 
     from kvgen import configs
     from kvgen.families.mla_decode import MLADecodeSpec
-    from kvgen.ops._mla_decode import _choose
+    from kvgen.ops._mla_decode import _choose, _split_factor
 
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
     monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
@@ -117,7 +117,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     pick = lambda k, arch="sm90": _choose(MLADecodeSpec, 576, 512, "bf16", arch, "gpu", k, 16)  # noqa: E731
     assert pick(k).variant == "portable"  # not tuned: never chosen blind
     tma = MLADecodeSpec(576, 512, "bf16", "tma", "sm90", "gpu")
-    meta = {"block_h": 16, "block_n": 64, "block_h_combine": 16, "num_warps": 8, "num_stages": 2}
+    meta = {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_factor": 4}
     doc = {"schema_version": 1, "family": "mla_decode",
            "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x", "torch": "x",
                    "triton": "x"},
@@ -126,8 +126,13 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
                                                "default_time_us": 2.0}}}}  # fmt: skip
     (tmp_path / "sm90").mkdir()
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
+    assert _split_factor("sm90", "gpu", 16) == 2  # the template default, before loading
     configs.reset()
     assert pick(k).variant == "tma"
+    # get_mla_metadata's split policy: the tuned one of the variant measured fastest
+    assert _split_factor("sm90", "gpu", 16) == 4
+    assert _split_factor("sm90", "gpu", 128) == 4  # nearest bucket
+    assert _split_factor("sm80", "gpu", 16) == 2  # nothing tuned for sm80
     assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "portable"  # page
     assert pick(k[:, :, :, :]).variant == "tma"
     strided = torch.empty(8, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]

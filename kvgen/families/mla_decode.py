@@ -66,7 +66,7 @@ class MLADecodeSpec(VariantSpec):
         # Two K tiles in flight where shared memory holds them.
         tile = block_n * self.head_dim * 2
         stages = 2 if 2 * tile <= ARCH_LIMITS[self.arch]["smem_bytes"] else 1
-        return {"block_h": 16, "block_n": block_n, "block_h_combine": 16, "num_warps": 4,
+        return {"block_h": 16, "block_n": block_n, "num_warps": 4,
                 "num_stages": stages, "split_factor": 2 if rows <= 32 else 1}  # fmt: skip
 
 

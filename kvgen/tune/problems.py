@@ -119,6 +119,11 @@ def tunable(family: str) -> bool:
     return family in _BUILDERS
 
 
+def builder(family: str):
+    """``build(spec, bucket, device) -> (run(i, meta), check(meta) -> bool, n_sets)``."""
+    return _BUILDERS[family]
+
+
 def gpu_evaluator(spec, bucket, device="cuda"):
     """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs."""
     run, check, n_sets = _BUILDERS[spec.family](spec, bucket, torch.device(device))
@@ -126,6 +131,12 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     def evaluate(meta):
         if not check(meta):
             raise TrialFailed("wrong result")
-        return harness.graph_time_us(lambda i: run(i, meta), n_sets, replays=10, trials=5)
+        # Size the graph to the kernel: at least ~0.5 ms of work per graph and ~20 ms per
+        # timed trial, so that a 1 ms decode does not cost seconds per candidate.
+        est = harness.eager_time_us(lambda i: run(i, meta), n_sets, iters=max(1, n_sets))
+        calls = max(n_sets, min(32, int(500 / max(est, 1e-3)) + 1))
+        replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
+        return harness.graph_time_us(lambda i: run(i, meta), n_sets, calls=calls,
+                                     replays=replays, trials=5)  # fmt: skip
 
     return evaluate
