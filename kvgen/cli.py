@@ -365,7 +365,7 @@ def tune_cmd(
         raise typer.Exit(2)
     specs = [s for s in _specs(names, arch, "gpu") if problems.tunable(s.family)]
     if not names:  # by default: the variants the benchmarks use
-        specs = [s for s in specs if _default_tuned(s)]
+        specs = [s for s in specs if _default_tuned(s)] + _bench_only_specs(arch)
     want = {int(b) for b in buckets.split(",")} if buckets else None
     store = tuner.storage_from(storage, cache_root() / "tune" / f"{arch}.journal")
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -425,10 +425,21 @@ def _default_tuned(spec) -> bool:
         return f["head_dim"] == 576 and f["dtype"] == "bf16"
     if spec.family == "store_mxfp4_mla":
         return f["latent"] == 512 and f["layout"] == "paged"
+    # the shapes `kvgen bench` measures: 8 heads x 128 and 1 head x 576
     return f["in_dtype"] == "bf16" and (f["head_size"], f["head_size_v"]) in (
         (128, 128),
-        (576, 512),
+        (576, 576),
     )
+
+
+def _bench_only_specs(arch: str) -> list:
+    """Variants `kvgen bench` measures that the registry's list does not name (1 head x 576
+    with V as wide as K)."""
+    from kvgen.families.per_token_head import FORMATS, StoreKVInt4Spec, StoreKVPerTokenHeadSpec
+
+    return [StoreKVPerTokenHeadSpec(f, 576, 576, "bf16", arch, "gpu") for f in FORMATS] + [
+        StoreKVInt4Spec(32, 576, 576, "bf16", arch, "gpu")
+    ]
 
 
 def _heads_fit(spec, heads: int) -> bool:
