@@ -319,12 +319,19 @@ def tune_cmd(
         ),
     ] = None,
     buckets: Annotated[
-        str | None, typer.Option(help="Only these num_tokens buckets (comma-separated).")
+        str | None,
+        typer.Option(help="Only these num_tokens buckets (comma-separated; other ops: all)."),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help="tuned_configs folder to write (default: the package's).")
     ] = None,
     force: Annotated[bool, typer.Option(help="Tune although this GPU is not --arch.")] = False,
+    families: Annotated[
+        str | None,
+        typer.Option(
+            "--family", help="Only the default variants of these families (comma-separated)."
+        ),
+    ] = None,
     jobs_opt: Annotated[
         int,
         typer.Option(
@@ -366,6 +373,9 @@ def tune_cmd(
     specs = [s for s in _specs(names, arch, "gpu") if problems.tunable(s.family)]
     if not names:  # by default: the variants the benchmarks use
         specs = [s for s in specs if _default_tuned(s)] + _bench_only_specs(arch)
+    if families:
+        wanted = {f.strip() for f in families.split(",")}
+        specs = [s for s in specs if s.family in wanted]
     want = {int(b) for b in buckets.split(",")} if buckets else None
     store = tuner.storage_from(storage, cache_root() / "tune" / f"{arch}.journal")
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -375,7 +385,7 @@ def tune_cmd(
     for spec in specs:
         space = load_space(spec.template)
         for bucket in space.bucket_list():
-            if want is None or bucket["num_tokens"] in want:
+            if want is None or bucket.get("num_tokens", next(iter(want))) in want:
                 if "num_heads" in bucket and not _heads_fit(spec, bucket["num_heads"]):
                     continue
                 jobs.append((spec, space, bucket))
@@ -424,7 +434,9 @@ def _default_tuned(spec) -> bool:
     if spec.family == "mla_decode":
         return f["head_dim"] == 576 and f["dtype"] == "bf16"
     if spec.family == "store_mxfp4_mla":
-        return f["latent"] == 512 and f["layout"] == "paged"
+        return f["latent"] == 512 and f["layout"] == "paged" and f["group"] == 32
+    if spec.family == "store_kv_int4_per_token_head" and f["channels"] != 32:
+        return False
     # the shapes `kvgen bench` measures: 8 heads x 128 and 1 head x 576
     return f["in_dtype"] == "bf16" and (f["head_size"], f["head_size_v"]) in (
         (128, 128),
