@@ -142,7 +142,11 @@ def split_factor(device: torch.device, rows: int) -> int:
     the variant tuning measured fastest there; the template default if none is tuned. The
     metadata does not know the cache's width or dtype, so this one policy serves them all: it
     affects only the speed, never the result."""
-    return _split_factor(*runtime.target_of(device), rows)
+    try:
+        arch, target = runtime.target_of(device)
+    except ValueError:  # a CPU schedule without the interpreter: the schedule is plain torch
+        arch, target = runtime.INTERPRETER_ARCH, "interp"
+    return _split_factor(arch, target, rows)
 
 
 def _split_factor(arch, target, rows):
