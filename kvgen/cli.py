@@ -399,9 +399,11 @@ def tune_cmd(
             # Triton specialises integer arguments (== 1, multiples of 16): compile with a
             # middle bucket, which shares its binaries with most of the others.
             mine = [b for s, _, b in jobs if s.name == spec.name]
-            feasible = [m for m in space.points() if not space.violations(spec, m)]
-            precompile(spec, mine[len(mine) // 2], feasible, workers, progress=err.print)
+            todo = [b for b in mine if tuner.finished_trials(spec, b, store) < trials]
             compiled.add(spec.name)
+            if todo:  # (a resumed run may have finished every study of this variant)
+                feasible = [m for m in space.points() if not space.violations(spec, m)]
+                precompile(spec, mine[len(mine) // 2], feasible, workers, progress=err.print)
         label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
 
         def show(r, label=label):

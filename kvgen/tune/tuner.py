@@ -131,6 +131,18 @@ def run_study(
     return summarize(spec, bucket, study, default)
 
 
+def finished_trials(spec, bucket: dict[str, int], storage) -> int:
+    """Trials the stored study of ``spec`` at ``bucket`` has finished (0: no study yet)."""
+    name = f"{spec.name}@{bucket_key(bucket)}"
+    try:
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        return 0
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
+              optuna.trial.TrialState.PRUNED)  # fmt: skip
+    return len(study.get_trials(deepcopy=False, states=states))
+
+
 def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
