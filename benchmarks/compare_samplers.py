@@ -43,7 +43,7 @@ def measure_grid(spec, bucket, space, fake: bool, jobs: int = 1) -> dict[str, fl
         from kvgen.tune.precompile import precompile
         from kvgen.tune.problems import gpu_evaluator
 
-        feasible = [m for m in space.points() if not space.violations(spec, m)]
+        feasible = space.feasible(spec)
         precompile(spec, bucket, feasible, jobs, progress=lambda m: print(m, file=sys.stderr))
         evaluate = gpu_evaluator(spec, bucket)
     times = {}

@@ -402,7 +402,7 @@ def tune_cmd(
             todo = [b for b in mine if tuner.finished_trials(spec, b, store) < trials]
             compiled.add(spec.name)
             if todo:  # (a resumed run may have finished every study of this variant)
-                feasible = [m for m in space.points() if not space.violations(spec, m)]
+                feasible = space.feasible(spec)
                 precompile(spec, mine[len(mine) // 2], feasible, workers, progress=err.print)
         label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
 
@@ -439,21 +439,27 @@ def _default_tuned(spec) -> bool:
         return f["latent"] == 512 and f["layout"] == "paged" and f["group"] == 32
     if spec.family == "store_kv_int4_per_token_head" and f["channels"] != 32:
         return False
-    # the shapes `kvgen bench` measures: 8 heads x 128 and 1 head x 576
-    return f["in_dtype"] == "bf16" and (f["head_size"], f["head_size_v"]) in (
-        (128, 128),
-        (576, 576),
+    from kvgen.bench.store import KV_SHAPES
+
+    # the shapes `kvgen bench` measures (V as wide as K)
+    return f["in_dtype"] == "bf16" and any(
+        f["head_size"] == f["head_size_v"] == d for _, d in KV_SHAPES
     )
 
 
 def _bench_only_specs(arch: str) -> list:
     """Variants `kvgen bench` measures that the registry's list does not name (1 head x 576
     with V as wide as K)."""
+    from kvgen import registry
+    from kvgen.bench.store import KV_SHAPES
     from kvgen.families.per_token_head import FORMATS, StoreKVInt4Spec, StoreKVPerTokenHeadSpec
 
-    return [StoreKVPerTokenHeadSpec(f, 576, 576, "bf16", arch, "gpu") for f in FORMATS] + [
-        StoreKVInt4Spec(32, 576, 576, "bf16", arch, "gpu")
-    ]
+    listed = {s.name for s in registry.variants(arch, "gpu")}
+    specs = [spec for _, d in KV_SHAPES
+             for spec in [*(StoreKVPerTokenHeadSpec(f, d, d, "bf16", arch, "gpu")
+                            for f in FORMATS),
+                          StoreKVInt4Spec(32, d, d, "bf16", arch, "gpu")]]  # fmt: skip
+    return [s for s in specs if s.name not in listed]
 
 
 def _heads_fit(spec, heads: int) -> bool:

@@ -122,6 +122,10 @@ class Space:
         names = {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch], **meta}
         return [name for name, expr in self.constraints.items() if not evaluate(expr, names)]
 
+    def feasible(self, spec) -> list[dict[str, Any]]:
+        """The grid points that break no constraint for ``spec``."""
+        return [m for m in self.points() if not self.violations(spec, m)]
+
     def allows(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` names exactly this space's parameters, with values from the space."""
         return set(meta) == set(self.params) and all(meta[k] in self.params[k] for k in self.params)

@@ -76,6 +76,9 @@ def test_constraints_fail_before_compiling(storage):
     rec = Recorder()
     tuner.run_study(big, BUCKET, space, rec, storage=storage, sampler="grid", n_trials=1000)
     assert all(not space.violations(big, m) for m in rec.calls)  # never evaluated
+    # the grid's feasible part (what `kvgen tune --jobs` compiles up front) is what was run
+    assert bad not in space.feasible(big)
+    assert sorted(map(str, space.feasible(big))) == sorted(map(str, rec.calls))
 
 
 def test_grid_covers_the_space_once(storage):

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
 from kvgen.families.mxfp4_mla import TORCH_DTYPE
+from kvgen.space import ARCH_LIMITS
 
 WIDTHS = ((576, 512), (512, 512), (288, 256))
 # The split-KV schedule's unit: get_mla_metadata cuts sequences into blocks of this many
@@ -58,8 +59,6 @@ class MLADecodeSpec(VariantSpec):
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
-        from kvgen.space import ARCH_LIMITS
-
         # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
         # wgmma tiles spill; the tuner measures whether they pay off anyway).
         block_n = 32

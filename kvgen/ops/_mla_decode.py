@@ -117,7 +117,6 @@ def _choose(cls, d, dv, dtype, arch, target, k, rows):
     """The Hopper (tma) variant where it applies, has been tuned on this arch (tuning checks
     every candidate against the reference on the GPU) and measured no slower than the portable
     one; otherwise the portable one."""
-    from kvgen import configs
     from kvgen.families.mla_decode import TMA_ARCHS
 
     portable = _spec(cls, d, dv, dtype, "portable", arch, target)
@@ -129,6 +128,13 @@ def _choose(cls, d, dv, dtype, arch, target, k, rows):
     aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
     if k.shape[1] % block_n or not rows_contiguous or not aligned:
         return portable
+    return _tuned_winner(portable, tma, rows)
+
+
+def _tuned_winner(portable, tma, rows):
+    """tma if tuning measured it at ``rows`` and no slower than the portable variant."""
+    from kvgen import configs
+
     t_tma = configs.tuned_time(tma, rows=rows)
     t_portable = configs.tuned_time(portable, rows=rows)
     if t_tma is None or (t_portable is not None and t_portable < t_tma):
@@ -150,12 +156,10 @@ def split_factor(device: torch.device, rows: int) -> int:
 
 
 def _split_factor(arch, target, rows):
-    from kvgen import configs
     from kvgen.families.mla_decode import TMA_ARCHS
 
-    specs = [_spec(MLADecodeSpec, 576, 512, "bf16", "portable", arch, target)]
+    best = _spec(MLADecodeSpec, 576, 512, "bf16", "portable", arch, target)
     if arch in TMA_ARCHS:
-        specs.append(_spec(MLADecodeSpec, 576, 512, "bf16", "tma", arch, target))
-    timed = [(t, s) for s in specs if (t := configs.tuned_time(s, rows=rows)) is not None]
-    best = min(timed, key=lambda ts: ts[0])[1] if timed else specs[0]
+        best = _tuned_winner(best, _spec(MLADecodeSpec, 576, 512, "bf16", "tma", arch, target),
+                             rows)  # fmt: skip
     return runtime.meta_params(best, rows=rows)["split_factor"]

@@ -71,6 +71,11 @@ def _fail_stale_running(study: optuna.Study) -> None:
         study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
 
 
+# Trials that count against a study's budget (a RUNNING one left by a dead process does not).
+_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
+             optuna.trial.TrialState.PRUNED)  # fmt: skip
+
+
 def run_study(
     spec,
     bucket: dict[str, int],
@@ -116,9 +121,7 @@ def run_study(
         trial.set_user_attr("meta", meta)
         return t_us
 
-    finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
-                optuna.trial.TrialState.PRUNED)  # fmt: skip
-    remaining = n_trials - len(study.get_trials(deepcopy=False, states=finished))
+    remaining = n_trials - len(study.get_trials(deepcopy=False, states=_FINISHED))
     if sampler == "grid":
         remaining = min(remaining, len(space.points()))
     callbacks = []
@@ -138,9 +141,7 @@ def finished_trials(spec, bucket: dict[str, int], storage) -> int:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:
         return 0
-    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
-              optuna.trial.TrialState.PRUNED)  # fmt: skip
-    return len(study.get_trials(deepcopy=False, states=states))
+    return len(study.get_trials(deepcopy=False, states=_FINISHED))
 
 
 def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
