@@ -341,11 +341,20 @@ def tune_cmd(
             "up front (timing stays serial). Default: CPU count - 1; 1: off.",
         ),
     ] = 0,
+    gpus: Annotated[
+        int,
+        typer.Option(
+            help="GPUs to tune on, one worker process each, sharing the studies "
+            "(default: all visible; 1: in this process)."
+        ),
+    ] = 0,
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
     Every trial is checked against the reference and timed with CUDA graphs; an interrupted
-    run resumes from its storage.
+    run resumes from its storage. With several GPUs (or several hosts sharing a
+    --storage postgresql://... database, each running this command), the trials of every study
+    are spread over all workers.
     """
     import time
 
@@ -377,10 +386,10 @@ def tune_cmd(
         wanted = {f.strip() for f in families.split(",")}
         specs = [s for s in specs if s.family in wanted]
     want = {int(b) for b in buckets.split(",")} if buckets else None
-    store = tuner.storage_from(storage, cache_root() / "tune" / f"{arch}.journal")
+    default_store = cache_root() / "tune" / f"{arch}.journal"
+    store = tuner.storage_from(storage, default_store)
     deadline = None if timeout is None else time.monotonic() + timeout
     env = harness.environment()
-    results: dict[str, list] = {}
     jobs = []
     for spec in specs:
         space = load_space(spec.template)
@@ -389,46 +398,91 @@ def tune_cmd(
                 if "num_heads" in bucket and not _heads_fit(spec, bucket["num_heads"]):
                     continue
                 jobs.append((spec, space, bucket))
-    err.print(f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}")
+    from kvgen.tune import parallel
+
+    devices = parallel.visible_devices()
+    if gpus > len(devices):
+        err.print(f"[red]error:[/] --gpus {gpus}, but {len(devices)} GPU(s) are visible")
+        raise typer.Exit(2)
+    devices = devices[: gpus or len(devices)]
+    err.print(
+        f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}, "
+        f"on {len(devices)} GPU(s)"
+    )
     workers = jobs_opt if jobs_opt > 0 else max(1, (os.cpu_count() or 2) - 1)
-    compiled = set()
-    for i, (spec, space, bucket) in enumerate(jobs, 1):
-        if workers > 1 and spec.name not in compiled:
-            from kvgen.tune.precompile import precompile
 
-            # Triton specialises integer arguments (== 1, multiples of 16): compile with a
-            # middle bucket, which shares its binaries with most of the others.
-            mine = [b for s, _, b in jobs if s.name == spec.name]
-            todo = [b for b in mine if tuner.finished_trials(spec, b, store) < trials]
-            compiled.add(spec.name)
-            if todo:  # (a resumed run may have finished every study of this variant)
-                feasible = space.feasible(spec)
-                precompile(spec, mine[len(mine) // 2], feasible, workers, progress=err.print)
-        label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
+    def precompile_variant(spec, space):
+        from kvgen.tune.precompile import precompile
 
-        def show(r, label=label):
-            if err.is_terminal:  # a live line; logs get the summary below only
-                best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
-                err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
+        # Triton specialises integer arguments (== 1, multiples of 16): compile with a middle
+        # bucket, which shares its binaries with most of the others.
+        mine = [b for s, _, b in jobs if s.name == spec.name]
+        if any(tuner.finished_trials(spec, b, store) < trials for b in mine):
+            # (a resumed run may have finished every study of this variant)
+            precompile(spec, mine[len(mine) // 2], space.feasible(spec), workers,
+                       progress=err.print)  # fmt: skip
 
-        evaluate = problems.gpu_evaluator(spec, bucket)
-        r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
-                            n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
-        speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
-        err.print(
-            f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
-            f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
-            f"{f', x{speedup:.2f}' if speedup else ''}; {r.failed} failed)"
-        )
-        results.setdefault(spec.family, []).append(r)
-        torch.cuda.empty_cache()
-        if deadline is not None and time.monotonic() > deadline:
-            err.print("wall-clock budget spent; writing what was found")
-            break
+    results: dict[str, list] = {}
+    if len(devices) > 1:
+        if workers > 1:  # the Triton cache on disk is shared by the workers of this host
+            seen = set()
+            for spec, space, _ in jobs:
+                if spec.name not in seen:
+                    seen.add(spec.name)
+                    precompile_variant(spec, space)
+        for spec, space, bucket in jobs:  # before any worker starts: see tuner.open_study
+            tuner.open_study(spec, bucket, space, storage=store, sampler=sampler,
+                             n_trials=trials)  # fmt: skip
+        plan = parallel.Plan(
+            jobs=[(spec, bucket) for spec, _, bucket in jobs],
+            storage=storage if storage and "://" in storage else str(storage or default_store),
+            sampler=sampler, n_trials=trials,
+            deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
+        )  # fmt: skip
+        t0 = time.monotonic()
+        exits = parallel.run_workers(plan, devices, log=err.print)
+        dead = [e for e in exits if e.returncode != 0]
+        err.print(f"workers done in {time.monotonic() - t0:.1f} s"
+                  + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
+        for i, (spec, _, bucket) in enumerate(jobs, 1):
+            r = tuner.load_result(spec, bucket, store)
+            _report(r, f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}")
+            results.setdefault(spec.family, []).append(r)
+    else:
+        compiled = set()
+        for i, (spec, space, bucket) in enumerate(jobs, 1):
+            if workers > 1 and spec.name not in compiled:
+                compiled.add(spec.name)
+                precompile_variant(spec, space)
+            label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
+
+            def show(r, label=label):
+                if err.is_terminal:  # a live line; logs get the summary below only
+                    best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
+                    err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
+
+            evaluate = problems.gpu_evaluator(spec, bucket)
+            r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
+                                n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
+            _report(r, label)
+            results.setdefault(spec.family, []).append(r)
+            torch.cuda.empty_cache()
+            if deadline is not None and time.monotonic() > deadline:
+                err.print("wall-clock budget spent; writing what was found")
+                break
     for family, rs in results.items():
         path = tuner.write_results(out or tuned_configs_dir(), arch, family, rs, env,
                                    sampler, trials)  # fmt: skip
         err.print(f"wrote {path}")
+
+
+def _report(r, label: str) -> None:
+    speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
+    err.print(
+        f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
+        f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
+        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed)"
+    )
 
 
 def _default_tuned(spec) -> bool:

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,11 +43,25 @@ class StudyResult:
     failed: int
 
 
+# Heartbeats let the workers of several hosts sharing a database fail the running trial of a
+# worker that died: a trial whose heartbeat is older than the grace period is failed by the
+# next worker that starts a trial of that study (Optuna's RDBStorage does this). The grace
+# period must exceed the longest trial; both can be set from the environment.
+HEARTBEAT_S = int(os.environ.get("KVGEN_TUNE_HEARTBEAT_S", "30"))
+GRACE_S = int(os.environ.get("KVGEN_TUNE_GRACE_S", "120"))
+
+
 def storage_from(url: str | None, default_path: Path):
-    """An Optuna storage: a URL (sqlite:///..., postgresql://...), a journal file path, or the
-    default journal file (embedded, on disk, safe for several processes on one host)."""
+    """An Optuna storage: a database URL (sqlite:///..., postgresql://...), a journal file path,
+    or the default journal file (embedded, on disk, safe for several processes of one host)."""
     if url and "://" in url:
-        return url
+        import warnings
+
+        from optuna.storages import RDBStorage
+
+        with warnings.catch_warnings():  # heartbeats are "experimental" since Optuna 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
@@ -55,25 +70,167 @@ def storage_from(url: str | None, default_path: Path):
     return JournalStorage(JournalFileBackend(str(path)))
 
 
+def shared_by_hosts(storage) -> bool:
+    """A database storage may have workers on other hosts; a journal file has this host's only."""
+    from optuna.storages import RDBStorage
+
+    return isinstance(storage, RDBStorage)
+
+
 def make_sampler(kind: str, space: Space, seed: int = 0):
     if kind == "grid":
+        # Optuna's grid sampler gives trial number k the k-th point of a seeded shuffle of the
+        # grid: workers sharing a study visit every point once, whatever their interleaving.
         return optuna.samplers.GridSampler({k: list(v) for k, v in space.params.items()}, seed=seed)
     if kind == "tpe":
-        return optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=8)
+        # The constant liar makes parallel workers avoid the points others are running; with
+        # one worker there is never a running trial to lie about, so it changes nothing.
+        return optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=8,
+                                          constant_liar=True)  # fmt: skip
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {kind!r}; expected tpe, grid or random")
 
 
-def _fail_stale_running(study: optuna.Study) -> None:
-    """Trials left RUNNING by a process that died (single-process resume) are failed."""
+def fail_running(study: optuna.Study, reason: str, worker: str | None = None) -> int:
+    """Fail the RUNNING trials of ``study`` (only those of ``worker`` when given): trials whose
+    process died. Returns how many were failed."""
+    n = 0
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+        if worker is not None and t.user_attrs.get("worker") != worker:
+            continue
+        try:
+            study._storage.set_trial_user_attr(t._trial_id, "failure", reason)
+            if study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL):
+                n += 1
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # it finished (or another process failed it) meanwhile
+    return n
 
 
-# Trials that count against a study's budget (a RUNNING one left by a dead process does not).
+# Trials that count as run (a RUNNING one left by a dead process is failed before they count).
 _FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
              optuna.trial.TrialState.PRUNED)  # fmt: skip
+# A trial created after the study's budget was taken by other workers (see ``work_on_study``).
+_SURPLUS = "surplus"
+
+
+def study_name(spec, bucket: dict[str, int]) -> str:
+    return f"{spec.name}@{bucket_key(bucket)}"
+
+
+def budget(space: Space, sampler: str, n_trials: int) -> int:
+    """Trials a study runs in all: ``n_trials``, or the whole grid if that is smaller."""
+    return min(n_trials, len(space.points())) if sampler == "grid" else n_trials
+
+
+def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", seed: int = 0,
+               n_trials: int = 40, prepare: bool = True) -> optuna.Study:  # fmt: skip
+    """Create or load the study of ``spec`` at ``bucket``. ``prepare`` (the process that starts a
+    run, before any worker) fails trials left RUNNING by a dead process (journal files only: in
+    a database another host's live worker may own them; heartbeats cover that case) and
+    enqueues the template's default as the first trial."""
+    # kvgen reports trials itself (failures are counted in the result and kept in storage).
+    optuna.logging.set_verbosity(logging.ERROR)
+    study = optuna.create_study(
+        study_name=study_name(spec, bucket), storage=storage, direction="minimize",
+        sampler=make_sampler(sampler, space, seed), load_if_exists=True,
+    )  # fmt: skip
+    if not prepare:
+        return study
+    if not shared_by_hosts(storage):
+        fail_running(study, "interrupted: its process died")
+    default = spec.default_meta(**bucket)
+    done = study.get_trials(deepcopy=False)
+    # The default is the first trial (a grid visits it anyway, in its own order); not again on
+    # a resume, and not past the budget.
+    if (
+        sampler != "grid"
+        and space.allows(default)
+        and len(done) < budget(space, sampler, n_trials)
+        and not any(t.params == default or t.system_attrs.get("fixed_params") == default
+                    for t in done)
+    ):  # fmt: skip
+        study.enqueue_trial(default, skip_if_exists=True)
+    return study
+
+
+class WorkerFault(Exception):
+    """The worker cannot go on (its GPU context is broken): the trial fails, the worker exits."""
+
+
+def work_on_study(
+    study: optuna.Study,
+    spec,
+    bucket: dict[str, int],
+    space: Space,
+    evaluate: Evaluate,
+    *,
+    n_trials: int,
+    sampler: str = "tpe",
+    deadline: float | None = None,
+    worker: str | None = None,
+    on_trial: Callable[[optuna.Study], None] | None = None,
+) -> None:
+    """Run trials of ``study`` until it holds its budget of trials; any number of processes
+    (on any number of hosts, through one storage) may do this on the same study at once.
+
+    The budget is counted in trial numbers, which the storage hands out atomically: trials
+    0 .. budget-1 are the study's, each run by exactly one worker. A worker that asks for a
+    trial when the others have taken the last number gets a surplus trial, which it fails at
+    once without running it and which no count includes.
+    """
+    limit = budget(space, sampler, n_trials)
+
+    def objective(trial: optuna.Trial) -> float:
+        if worker is not None:
+            trial.set_user_attr("worker", worker)
+        if trial.number >= limit or _duplicate_default(study, trial):
+            trial.set_user_attr(_SURPLUS, True)
+            raise TrialFailed("surplus: the study's budget was already taken")
+        meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
+        broken = space.violations(spec, meta)
+        if broken:
+            trial.set_user_attr("failure", f"constraints: {', '.join(broken)}")
+            raise TrialFailed(f"violates {broken}")
+        try:
+            t_us = evaluate(meta)
+        except TrialFailed as exc:
+            trial.set_user_attr("failure", str(exc))
+            raise
+        except WorkerFault as exc:
+            trial.set_user_attr("failure", f"worker fault: {exc}"[:500])
+            raise
+        except Exception as exc:  # a compile error or a crash is a failed trial
+            trial.set_user_attr("failure", f"{type(exc).__name__}: {exc}"[:500])
+            raise TrialFailed(str(exc)) from exc
+        trial.set_user_attr("meta", meta)
+        return t_us
+
+    def taken() -> bool:
+        return len(study.get_trials(deepcopy=False)) >= limit
+
+    def after(s: optuna.Study, t) -> None:
+        if on_trial is not None:
+            on_trial(s)
+        if taken():
+            s.stop()
+
+    if taken() or (deadline is not None and time.monotonic() >= deadline):
+        return
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    study.optimize(objective, timeout=timeout, catch=(TrialFailed,), callbacks=[after])
+
+
+def _duplicate_default(study: optuna.Study, trial: optuna.Trial) -> bool:
+    """Two hosts that start a run at once may both enqueue the default: run it once."""
+    fixed = study._storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    if fixed is None:
+        return False
+    return any(
+        t.number < trial.number and t.system_attrs.get("fixed_params") == fixed
+        for t in study.get_trials(deepcopy=False)
+    )
 
 
 def run_study(
@@ -89,63 +246,44 @@ def run_study(
     seed: int = 0,
     on_trial: Callable[[StudyResult], None] | None = None,
 ) -> StudyResult:
-    """Run (or resume) the study of ``spec`` at ``bucket`` until it has ``n_trials`` trials."""
-    name = f"{spec.name}@{bucket_key(bucket)}"
-    # kvgen reports trials itself (failures are counted in the result and kept in storage).
-    optuna.logging.set_verbosity(logging.ERROR)
-    study = optuna.create_study(
-        study_name=name, storage=storage, direction="minimize",
-        sampler=make_sampler(sampler, space, seed), load_if_exists=True,
-    )  # fmt: skip
-    _fail_stale_running(study)
+    """Run (or resume) the study of ``spec`` at ``bucket`` in this process until it has
+    ``n_trials`` trials (the whole grid at most, for ``sampler="grid"``)."""
+    study = open_study(spec, bucket, space, storage=storage, sampler=sampler, seed=seed,
+                       n_trials=n_trials)  # fmt: skip
     default = spec.default_meta(**bucket)
-    done = study.get_trials(deepcopy=False)
-    # The template's default is the first trial (a grid visits it anyway, in its own order).
-    if sampler != "grid" and space.allows(default) and not any(t.params == default for t in done):
-        study.enqueue_trial(default, skip_if_exists=True)
-
-    def objective(trial: optuna.Trial) -> float:
-        meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
-        broken = space.violations(spec, meta)
-        if broken:
-            trial.set_user_attr("failure", f"constraints: {', '.join(broken)}")
-            raise TrialFailed(f"violates {broken}")
-        try:
-            t_us = evaluate(meta)
-        except TrialFailed as exc:
-            trial.set_user_attr("failure", str(exc))
-            raise
-        except Exception as exc:  # a compile error or a crash is a failed trial
-            trial.set_user_attr("failure", f"{type(exc).__name__}: {exc}"[:500])
-            raise TrialFailed(str(exc)) from exc
-        trial.set_user_attr("meta", meta)
-        return t_us
-
-    remaining = n_trials - len(study.get_trials(deepcopy=False, states=_FINISHED))
-    if sampler == "grid":
-        remaining = min(remaining, len(space.points()))
-    callbacks = []
+    hook = None
     if on_trial is not None:
-        callbacks.append(lambda s, t: on_trial(summarize(spec, bucket, s, default)))
-    if remaining > 0 and (deadline is None or time.monotonic() < deadline):
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        study.optimize(objective, n_trials=remaining, timeout=timeout,
-                       catch=(TrialFailed,), callbacks=callbacks)  # fmt: skip
+        hook = lambda s: on_trial(summarize(spec, bucket, s, default))  # noqa: E731
+    work_on_study(study, spec, bucket, space, evaluate, n_trials=n_trials, sampler=sampler,
+                  deadline=deadline, on_trial=hook)  # fmt: skip
     return summarize(spec, bucket, study, default)
+
+
+def counted(trials) -> list:
+    """The trials that count (surplus ones, never run, do not)."""
+    return [t for t in trials if not t.user_attrs.get(_SURPLUS)]
 
 
 def finished_trials(spec, bucket: dict[str, int], storage) -> int:
     """Trials the stored study of ``spec`` at ``bucket`` has finished (0: no study yet)."""
-    name = f"{spec.name}@{bucket_key(bucket)}"
     try:
-        study = optuna.load_study(study_name=name, storage=storage)
+        study = optuna.load_study(study_name=study_name(spec, bucket), storage=storage)
     except KeyError:
         return 0
-    return len(study.get_trials(deepcopy=False, states=_FINISHED))
+    return len(counted(study.get_trials(deepcopy=False, states=_FINISHED)))
+
+
+def load_result(spec, bucket: dict[str, int], storage) -> StudyResult | None:
+    """The stored study's result (None: no such study)."""
+    try:
+        study = optuna.load_study(study_name=study_name(spec, bucket), storage=storage)
+    except KeyError:
+        return None
+    return summarize(spec, bucket, study, spec.default_meta(**bucket))
 
 
 def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
-    trials = study.get_trials(deepcopy=False)
+    trials = counted(study.get_trials(deepcopy=False))
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     failed = sum(t.state == optuna.trial.TrialState.FAIL for t in trials)
     best = min(complete, key=lambda t: t.value, default=None)

@@ -1,0 +1,248 @@
+"""Tuning on several GPUs: one worker process per GPU, all sharing the same Optuna studies.
+
+The coordinator (``kvgen tune --gpus N``) prepares every study (fails the trials a dead run
+left RUNNING, enqueues the template defaults), then starts one worker per GPU, each pinned to
+its device through ``CUDA_VISIBLE_DEVICES``. Every worker walks the same list of studies and
+takes trials from each until the study holds its budget (``tuner.work_on_study``: trial
+numbers, handed out atomically by the storage, decide which trials belong to the budget), so
+the trials of one study are spread over the GPUs and none is run twice. When all workers have
+exited, the coordinator reads the results back from the storage and writes the JSON once.
+
+A worker that dies (killed, or exiting on a GPU fault) loses only its running trial: the
+coordinator fails that trial, the other workers go on, and a later run resumes the studies.
+
+Several hosts share studies through a database storage (``--storage postgresql://...``): every
+host runs the same ``kvgen tune`` command; heartbeats (``tuner.HEARTBEAT_S``) let any worker
+fail the running trial of a worker on a host that died. Each host writes the JSON from the
+shared studies when its own workers are done.
+
+The worker's evaluator is named as ``module:function`` (``function(spec, bucket) ->
+evaluate``), which is how the tests run this same code with a fake timer and no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
+# Exit status of a worker that stopped because its GPU context is broken.
+EXIT_FAULT = 3
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every worker runs: pickled to a file that each worker reads."""
+
+    jobs: list[tuple[Any, dict[str, int]]]  # (spec, bucket), in order
+    storage: str  # a database URL or a journal file path
+    sampler: str
+    n_trials: int
+    seed: int = 0
+    deadline: float | None = None  # time.time() after which no trial starts
+    evaluator: str = GPU_EVALUATOR
+
+
+@dataclasses.dataclass
+class WorkerExit:
+    device: str
+    returncode: int
+    failed_trials: int  # running trials of this worker that the coordinator failed
+
+
+def visible_devices() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_id(pid: int, host: str | None = None) -> str:
+    return f"{host or socket.gethostname()}:{pid}"
+
+
+def run_workers(
+    plan: Plan,
+    devices: list[str],
+    *,
+    log: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+    poll_s: float = 0.2,
+) -> list[WorkerExit]:
+    """Start one worker per device on ``plan`` and wait for all of them. A worker that exits
+    with an error has its running trials failed at once; the others are not disturbed."""
+    from kvgen.tune import tuner
+
+    storage = tuner.storage_from(plan.storage, Path(plan.storage))
+    with tempfile.TemporaryDirectory(prefix="kvgen-tune-") as tmp:
+        plan_file = Path(tmp) / "plan.pkl"
+        plan_file.write_bytes(pickle.dumps(plan))
+        procs: dict[str, subprocess.Popen] = {}
+        pumps = []
+        # The workers import the kvgen this process runs (not one that the working directory
+        # would shadow it with: -P).
+        import kvgen
+
+        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        paths = [str(Path(kvgen.__file__).parent.parent), child_env.get("PYTHONPATH")]
+        child_env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
+        for dev in devices:
+            p = subprocess.Popen(
+                [sys.executable, "-P", "-m", "kvgen.tune.worker", str(plan_file)],
+                env={**child_env, "CUDA_VISIBLE_DEVICES": dev},
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            procs[dev] = p
+            t = threading.Thread(target=_pump, args=(p, f"[gpu {dev}] ", log), daemon=True)
+            t.start()
+            pumps.append(t)
+        log(f"started {len(procs)} workers (pids {', '.join(str(p.pid) for p in procs.values())})")
+        exits: dict[str, WorkerExit] = {}
+        while len(exits) < len(procs):
+            for dev, p in procs.items():
+                if dev in exits or p.poll() is None:
+                    continue
+                failed = 0
+                if p.returncode != 0:
+                    failed = _fail_trials_of(plan, storage, worker_id(p.pid))
+                    why = (
+                        "a GPU fault" if p.returncode == EXIT_FAULT
+                        else f"signal {-p.returncode}" if p.returncode < 0
+                        else f"exit status {p.returncode}"
+                    )  # fmt: skip
+                    log(f"worker on GPU {dev} died ({why}); {failed} running trial(s) failed; "
+                        "the other workers go on")  # fmt: skip
+                exits[dev] = WorkerExit(dev, p.returncode, failed)
+            time.sleep(poll_s)
+        for t in pumps:
+            t.join(timeout=5)
+    import optuna
+
+    for spec, bucket in plan.jobs:
+        study = _load(storage, spec, bucket)
+        if study is None:
+            continue
+        if tuner.shared_by_hosts(storage):
+            # Another host's worker may be running trials: fail only those whose heartbeat
+            # has stopped for longer than the grace period.
+            with warnings.catch_warnings():  # "experimental" since Optuna 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
+        else:
+            # A journal file is this host's alone: a trial still RUNNING now has no live
+            # process (one that died between taking a trial and naming itself on it).
+            tuner.fail_running(study, "interrupted: its worker died")
+    return [exits[d] for d in devices]
+
+
+def _pump(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log(prefix + line.rstrip("\n"))
+
+
+def _load(storage, spec, bucket):
+    import optuna
+
+    from kvgen.tune import tuner
+
+    try:
+        return optuna.load_study(study_name=tuner.study_name(spec, bucket), storage=storage)
+    except KeyError:
+        return None
+
+
+def _fail_trials_of(plan: Plan, storage, worker: str) -> int:
+    from kvgen.tune import tuner
+
+    n = 0
+    for spec, bucket in plan.jobs:
+        study = _load(storage, spec, bucket)
+        if study is not None:
+            n += tuner.fail_running(study, f"interrupted: worker {worker} died", worker=worker)
+    return n
+
+
+def work(plan: Plan, log: Callable[[str], None] = print) -> int:
+    """One worker: every study of ``plan`` in order, trials until each holds its budget.
+    Returns the process exit status (``EXIT_FAULT`` when the GPU context broke)."""
+    import importlib
+
+    from kvgen.space import load_space
+    from kvgen.tune import tuner
+
+    module, _, attr = plan.evaluator.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    storage = tuner.storage_from(plan.storage, Path(plan.storage))
+    me = worker_id(os.getpid())
+    deadline = None
+    if plan.deadline is not None:
+        deadline = time.monotonic() + (plan.deadline - time.time())
+    for spec, bucket in plan.jobs:
+        space = load_space(spec.template)
+        study = tuner.open_study(spec, bucket, space, storage=storage, sampler=plan.sampler,
+                                 seed=plan.seed, n_trials=plan.n_trials, prepare=False)  # fmt: skip
+        label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
+        if len(study.get_trials(deepcopy=False)) >= tuner.budget(
+            space, plan.sampler, plan.n_trials
+        ):
+            continue  # taken by other workers (or a finished earlier run)
+        evaluate = _guarded(factory(spec, bucket))
+        ran = []
+        try:
+            tuner.work_on_study(study, spec, bucket, space, evaluate, n_trials=plan.n_trials,
+                                sampler=plan.sampler, deadline=deadline, worker=me,
+                                on_trial=lambda s, ran=ran: ran.append(1))  # fmt: skip
+        except tuner.WorkerFault as exc:
+            log(f"{label}: GPU fault, this worker stops: {exc}")
+            return EXIT_FAULT
+        log(f"{label}: ran {len(ran)} trials")
+        del evaluate
+        _release_memory()
+        if deadline is not None and time.monotonic() >= deadline:
+            log("wall-clock budget spent")
+            break
+    return 0
+
+
+# Errors after which a CUDA context is unusable: every later trial of this process would fail.
+_STICKY = ("illegal memory access", "illegal instruction", "unspecified launch failure",
+           "misaligned address", "device-side assert", "uncorrectable ECC")  # fmt: skip
+
+
+def _guarded(evaluate):
+    def run(meta):
+        try:
+            return evaluate(meta)
+        except Exception as exc:
+            if any(s in str(exc) for s in _STICKY):
+                raise _fault(exc) from exc
+            raise
+
+    return run
+
+
+def _fault(exc: Exception):
+    from kvgen.tune import tuner
+
+    return tuner.WorkerFault(f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _release_memory() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

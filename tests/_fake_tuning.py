@@ -1,0 +1,46 @@
+"""A fake evaluator for the multi-process tuner tests: no GPU, a made-up cost per config.
+
+Workers import it as ``_fake_tuning:evaluator`` (the tests put this folder on PYTHONPATH).
+Environment knobs: KVGEN_FAKE_LOG (a file: every evaluation appends "pid params" to it),
+KVGEN_FAKE_SLEEP (seconds per trial), KVGEN_FAKE_DIE_AT (a trial count: the worker whose
+evaluation brings the log to that many lines kills itself with SIGKILL mid-trial, once).
+"""
+
+import fcntl
+import json
+import os
+import signal
+import time
+
+
+def cost(meta):
+    return (
+        10.0
+        + abs(meta["rows_per_program"] - 4) * 3
+        + abs(meta["num_warps"] - 2) * 2
+        + (meta["num_stages"] - 1) * 0.5
+    )
+
+
+def evaluator(spec, bucket):
+    log = os.environ.get("KVGEN_FAKE_LOG")
+    sleep = float(os.environ.get("KVGEN_FAKE_SLEEP", "0"))
+    die_at = int(os.environ.get("KVGEN_FAKE_DIE_AT", "0"))
+
+    def evaluate(meta):
+        if log:
+            with open(log, "a+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.seek(0)
+                n = sum(1 for _ in f) + 1
+                f.write(
+                    f"{os.getpid()} {spec.name}@{bucket['num_tokens']} "
+                    f"{json.dumps(meta, sort_keys=True)}\n"
+                )
+                f.flush()
+            if n == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(sleep)
+        return cost(meta)
+
+    return evaluate

@@ -1,0 +1,231 @@
+"""Several tuning workers sharing studies (``kvgen tune --gpus N``, several hosts on one
+database), with a fake timer in real worker processes: every trial runs once, the results equal
+a single process's, a killed worker loses only its running trial, a re-run resumes."""
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
+from kvgen.space import load_space  # noqa: E402
+from kvgen.tune import parallel, tuner  # noqa: E402
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("_fake_tuning", HERE / "_fake_tuning.py")
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
+SPACE = load_space(SPEC.template)
+BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
+FAKE = "_fake_tuning:evaluator"
+ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "x", "triton": "3.6.0"}
+
+
+def _env(log, sleep=0.02, die_at=0):
+    return {
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "KVGEN_FAKE_LOG": str(log),
+        "KVGEN_FAKE_SLEEP": str(sleep),
+        "KVGEN_FAKE_DIE_AT": str(die_at),
+    }
+
+
+def _prepare(storage, sampler, n_trials):
+    store = tuner.storage_from(storage, Path(storage))
+    for b in BUCKETS:
+        tuner.open_study(SPEC, b, SPACE, storage=store, sampler=sampler, n_trials=n_trials)
+    return store
+
+
+def _run(storage, sampler, n_trials, log, workers=3, **env):
+    store = _prepare(storage, sampler, n_trials)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=storage, sampler=sampler,
+                         n_trials=n_trials, evaluator=FAKE)  # fmt: skip
+    lines = []
+    exits = parallel.run_workers(plan, [f"fake{i}" for i in range(workers)], log=lines.append,
+                                 env=_env(log, **env))  # fmt: skip
+    return store, exits, lines
+
+
+def _evaluations(log):
+    """[(pid, study, params-json)] in the order the workers ran them."""
+    return [tuple(line.split(" ", 2)) for line in Path(log).read_text().splitlines()]
+
+
+def _study(store, bucket):
+    return optuna.load_study(study_name=tuner.study_name(SPEC, bucket), storage=store)
+
+
+def _single_process(tmp_path, sampler, n_trials):
+    store = tuner.storage_from(str(tmp_path / "single.journal"), tmp_path / "x")
+    return [
+        tuner.run_study(
+            SPEC, b, SPACE, fake.cost, storage=store, sampler=sampler, n_trials=n_trials
+        )  # fmt: skip
+        for b in BUCKETS
+    ]
+
+
+def _check_shared_grid(tmp_path, storage):
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(storage, "grid", 1000, log, workers=3)
+    assert [e.returncode for e in exits] == [0, 0, 0], lines
+    evals = _evaluations(log)
+    feasible = [json.dumps(m, sort_keys=True) for m in SPACE.feasible(SPEC)]
+    for b in BUCKETS:
+        ran = [p for _, s, p in evals if s == f"{SPEC.name}@{b['num_tokens']}"]
+        assert sorted(ran) == sorted(feasible)  # every feasible point once, none twice
+        study = _study(store, b)
+        assert len(tuner.counted(study.trials)) == len(SPACE.points())
+        assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    assert len({pid for pid, _, _ in evals}) >= 2  # the trials were spread over the workers
+    # the same results as one process running the same grid
+    single = _single_process(tmp_path, "grid", 1000)
+    shared = [tuner.load_result(SPEC, b, store) for b in BUCKETS]
+    for one, many in zip(single, shared, strict=True):
+        assert (many.meta, many.time_us, many.trials, many.failed) == (
+            one.meta, one.time_us, one.trials, one.failed)  # fmt: skip
+    # and the same JSON entries
+    a = tuner.write_results(tmp_path / "a", "sm90", SPEC.family, single, ENV, "grid", 1000)
+    b = tuner.write_results(tmp_path / "b", "sm90", SPEC.family, shared, ENV, "grid", 1000)
+    assert json.loads(a.read_text())["entries"] == json.loads(b.read_text())["entries"]
+
+
+def test_workers_share_a_grid_study_and_match_one_process(tmp_path):
+    _check_shared_grid(tmp_path, str(tmp_path / "tune.journal"))
+
+
+def test_workers_share_a_tpe_study_each_trial_once(tmp_path):
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 14, log, workers=3)
+    assert all(e.returncode == 0 for e in exits), lines
+    evals = _evaluations(log)
+    for b in BUCKETS:
+        study = _study(store, b)
+        trials = tuner.counted(study.trials)
+        assert [t.number for t in trials] == list(range(14))
+        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+        ran = [p for _, s, p in evals if s == f"{SPEC.name}@{b['num_tokens']}"]
+        assert len(ran) == len(complete)  # each complete trial evaluated by exactly one worker
+        assert trials[0].params == SPEC.default_meta(**b)  # the default went first
+        for t in complete:
+            assert t.value == fake.cost(t.params)
+        assert tuner.load_result(SPEC, b, store).time_us == min(t.value for t in complete)
+
+
+def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
+    journal = str(tmp_path / "tune.journal")
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(journal, "tpe", 10, log, workers=3, die_at=5)
+    dead = [e for e in exits if e.returncode != 0]
+    assert len(dead) == 1 and dead[0].returncode == -9 and dead[0].failed_trials == 1, lines
+    assert any("died (signal 9)" in line for line in lines)
+    failed = []
+    for b in BUCKETS:  # the others went on: both studies hold their 10 trials
+        study = _study(store, b)
+        assert len(tuner.counted(study.trials)) == 10
+        assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+        failed += [t for t in study.trials if "died" in t.user_attrs.get("failure", "")]
+    assert len(failed) == 1
+    first = {tuner.study_name(SPEC, b): [t.params for t in _study(store, b).trials]
+             for b in BUCKETS}  # fmt: skip
+    # a re-run with a larger budget continues the same studies
+    store, exits, lines = _run(journal, "tpe", 16, log, workers=2)
+    assert all(e.returncode == 0 for e in exits), lines
+    for b in BUCKETS:
+        trials = _study(store, b).trials
+        assert len(tuner.counted(trials)) == 16
+        assert [t.params for t in trials[:10]] == first[tuner.study_name(SPEC, b)]
+
+
+def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
+    """Killed with its coordinator (the whole host went down): the next run fails its trial."""
+    journal = str(tmp_path / "tune.journal")
+    log = tmp_path / "evals.log"
+    _prepare(journal, "tpe", 8)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
+                         n_trials=8, evaluator=FAKE)  # fmt: skip
+    plan_file = tmp_path / "plan.pkl"
+    plan_file.write_bytes(pickle.dumps(plan))
+    p = subprocess.run([sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
+                       env={**os.environ, **_env(log, die_at=3)}, capture_output=True)  # fmt: skip
+    assert p.returncode == -9
+    store = tuner.storage_from(journal, Path(journal))
+    study = _study(store, BUCKETS[0])
+    assert len(study.get_trials(states=(optuna.trial.TrialState.RUNNING,))) == 1
+    store, exits, lines = _run(journal, "tpe", 8, log, workers=2)
+    assert all(e.returncode == 0 for e in exits), lines
+    _check_dead_worker(_study(store, BUCKETS[0]), log, 8)
+
+
+def _check_dead_worker(study, log, n_trials):
+    """The worker that wrote the third evaluation died in it: of its trials, that one alone
+    failed; the study holds its budget with nothing left running."""
+    dead_pid = _evaluations(log)[2][0]
+    assert len(tuner.counted(study.trials)) == n_trials
+    assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    mine = [t for t in study.trials if t.user_attrs.get("worker", "").endswith(f":{dead_pid}")]
+    assert mine[-1].state == optuna.trial.TrialState.FAIL
+    for t in mine[:-1]:  # its earlier trials ran to the end (or broke a constraint)
+        assert t.state == optuna.trial.TrialState.COMPLETE or t.user_attrs["failure"].startswith(
+            "constraints"
+        )
+    others = {t.user_attrs.get("worker") for t in study.trials} - {mine[0].user_attrs["worker"]}
+    assert len(others) >= 1  # the next run's workers took the rest
+
+
+# --- several hosts: one PostgreSQL database --------------------------------------------------
+# `.ci/run` starts Debian's PostgreSQL server on this machine and sets KVGEN_TEST_POSTGRES_URL
+# (a role that may create databases); each test gets a fresh database.
+
+
+@pytest.fixture
+def postgres_url():
+    base = os.environ.get("KVGEN_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("KVGEN_TEST_POSTGRES_URL is not set (.ci/run starts a server and sets it)")
+    psycopg = pytest.importorskip("psycopg")
+    name = f"kvgen_{uuid.uuid4().hex[:12]}"
+    admin = psycopg.connect(base, autocommit=True)
+    admin.execute(f"CREATE DATABASE {name}")
+    yield base.rsplit("/", 1)[0] + "/" + name
+    admin.execute(f"DROP DATABASE {name} WITH (FORCE)")
+    admin.close()
+
+
+def test_postgres_workers_share_a_grid_study(tmp_path, postgres_url):
+    _check_shared_grid(tmp_path, postgres_url)
+
+
+def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, monkeypatch):
+    """A worker on "another host" (no coordinator here to see it die) is killed mid-trial; the
+    workers of the next run fail its trial once its heartbeat is older than the grace period,
+    and the study completes."""
+    monkeypatch.setattr(tuner, "GRACE_S", 2)
+    monkeypatch.setattr(tuner, "HEARTBEAT_S", 1)
+    monkeypatch.setenv("KVGEN_TUNE_GRACE_S", "2")  # for the worker processes
+    monkeypatch.setenv("KVGEN_TUNE_HEARTBEAT_S", "1")
+    log = tmp_path / "evals.log"
+    _prepare(postgres_url, "tpe", 8)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=postgres_url,
+                         sampler="tpe", n_trials=8, evaluator=FAKE)  # fmt: skip
+    plan_file = tmp_path / "plan.pkl"
+    plan_file.write_bytes(pickle.dumps(plan))
+    p = subprocess.run([sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
+                       env={**os.environ, **_env(log, die_at=3)}, capture_output=True)  # fmt: skip
+    assert p.returncode == -9, p.stdout
+    time.sleep(3)  # the grace period passes
+    store, exits, lines = _run(postgres_url, "tpe", 8, log, workers=2)
+    assert all(e.returncode == 0 for e in exits), lines
+    _check_dead_worker(_study(store, BUCKETS[0]), log, 8)
