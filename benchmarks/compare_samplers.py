@@ -7,6 +7,8 @@ comparison costs no more GPU time), for N = 10, 20, 40 and several seeds. Prints
 
     python benchmarks/compare_samplers.py --json out.json
     python benchmarks/compare_samplers.py --fake     # no GPU: a made-up cost surface
+    python benchmarks/compare_samplers.py --grids-from old.json --json new.json
+        # TPE again over grids measured on the GPU before (no GPU needed): for a new sampler
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def tpe_best(spec, bucket, space, times, n, seed) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fake", action="store_true", help="made-up costs, no GPU")
-    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--grids-from", help="take the grid timings from this earlier --json file")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
         "--jobs",
@@ -87,11 +90,22 @@ def main() -> None:
     )
     args = ap.parse_args()
     out, grids = [], []
+    env = None
+    earlier = {}
+    if args.grids_from:
+        old = json.loads(open(args.grids_from).read())
+        env = {**old["env"], "grids_from": os.path.basename(args.grids_from)}
+        earlier = {(g["variant"], json.dumps(g["bucket"], sort_keys=True)): g
+                   for g in old["grids"]}  # fmt: skip
     for spec, bucket in CASES:
         space = load_space(spec.template)
         t0 = time.monotonic()
-        times = measure_grid(spec, bucket, space, args.fake, args.jobs)
-        grid_seconds = time.monotonic() - t0
+        key = (spec.name, json.dumps(bucket, sort_keys=True))
+        if key in earlier:
+            times, grid_seconds = earlier[key]["times_us"], earlier[key]["seconds"]
+        else:
+            times = measure_grid(spec, bucket, space, args.fake, args.jobs)
+            grid_seconds = time.monotonic() - t0
         valid = [t for t in times.values() if t is not None]
         grid_best = min(valid)
         best_point = min((t, k) for k, t in times.items() if t is not None)[1]
@@ -101,17 +115,18 @@ def main() -> None:
             ratios = [tpe_best(spec, bucket, space, times, n, s) / grid_best
                       for s in range(args.seeds)]  # fmt: skip
             row = {"variant": spec.name, "bucket": bucket, "grid_points": len(times),
-                   "feasible_points": len(valid),
+                   "feasible_points": len(valid), "seeds": args.seeds,
                    "n_trials": n, "median_ratio": statistics.median(ratios),
-                   "worst_ratio": max(ratios), "grid_best_us": grid_best}  # fmt: skip
+                   "worst_ratio": max(ratios), "grid_best_us": grid_best,
+                   "seeds_within_3pct": sum(r <= 1.03 for r in ratios)}  # fmt: skip
             out.append(row)
             print(
                 f"{spec.name} {bucket}: grid {len(times)} points, best {grid_best:.2f} us; "
-                f"TPE@{n}: median x{row['median_ratio']:.3f}, worst x{row['worst_ratio']:.3f}"
+                f"TPE@{n}: median x{row['median_ratio']:.3f}, worst x{row['worst_ratio']:.3f}, "
+                f"{row['seeds_within_3pct']}/{args.seeds} seeds within 3 %"
             )
     if args.json:
-        env = None
-        if not args.fake:
+        if env is None and not args.fake:
             from kvgen.bench.harness import environment
 
             env = environment()

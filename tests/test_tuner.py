@@ -269,3 +269,16 @@ def test_show_and_tune_commands(override):
     if not torch.cuda.is_available():
         result = runner.invoke(kvgen.cli.app, ["tune", "--arch", "sm90"])
         assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+
+
+def test_tpe_proposes_only_fresh_feasible_points(storage):
+    """A trial is never spent on a point the study has timed or that breaks a constraint,
+    until every feasible point was tried."""
+    big = StoreMXFP4MLASpec(32, 1024, "fp32", "paged", "sm90", "gpu")  # has infeasible points
+    space = load_space(big.template)
+    feasible = space.feasible(big)
+    assert 0 < len(feasible) < len(space.points())
+    rec = Recorder()
+    r = tuner.run_study(big, BUCKET, space, rec, storage=storage, n_trials=len(feasible))
+    assert r.failed == 0
+    assert sorted(map(str, rec.calls)) == sorted(map(str, feasible))

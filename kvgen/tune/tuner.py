@@ -77,7 +77,9 @@ def shared_by_hosts(storage) -> bool:
     return isinstance(storage, RDBStorage)
 
 
-def make_sampler(kind: str, space: Space, seed: int = 0):
+def make_sampler(kind: str, space: Space, seed: int = 0, spec=None):
+    """The sampler of a study. ``tpe`` (with ``spec``) proposes only points that break no static
+    constraint and that the study has not tried yet (see ``FreshPointSampler``)."""
     if kind == "grid":
         # Optuna's grid sampler gives trial number k the k-th point of a seeded shuffle of the
         # grid: workers sharing a study visit every point once, whatever their interleaving.
@@ -85,11 +87,77 @@ def make_sampler(kind: str, space: Space, seed: int = 0):
     if kind == "tpe":
         # The constant liar makes parallel workers avoid the points others are running; with
         # one worker there is never a running trial to lie about, so it changes nothing.
-        return optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=8,
-                                          constant_liar=True)  # fmt: skip
+        tpe = optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=8,
+                                         constant_liar=True)  # fmt: skip
+        return tpe if spec is None else FreshPointSampler(tpe, space, space.feasible(spec), seed)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {kind!r}; expected tpe, grid or random")
+
+
+class FreshPointSampler(optuna.samplers.BaseSampler):
+    """TPE restricted to new, feasible points of a finite space.
+
+    Over a small categorical space TPE often proposes a point the study has already timed, or
+    one that breaks a static constraint (a failed trial): both spend a trial of the budget on
+    nothing. This sampler draws TPE's joint proposal up to ``tries`` times and takes the first
+    one that is feasible and untried; failing that (and during TPE's random start-up), a
+    uniformly chosen untried feasible point. Once every feasible point was tried it defers to
+    TPE. The random choices are seeded by the trial number, so workers sharing a study agree.
+    """
+
+    def __init__(self, base, space: Space, feasible: list[dict[str, Any]], seed: int = 0,
+                 tries: int = 32, n_startup_trials: int = 8):  # fmt: skip
+        self._base = base
+        self._space = {k: optuna.distributions.CategoricalDistribution(list(v))
+                       for k, v in space.params.items()}  # fmt: skip
+        self._feasible = feasible
+        self._seed = seed
+        self._tries = tries
+        self._n_startup = n_startup_trials
+
+    @staticmethod
+    def _key(params: dict[str, Any]) -> str:
+        return json.dumps(params, sort_keys=True)
+
+    def infer_relative_search_space(self, study, trial):
+        return dict(self._space)
+
+    def sample_relative(self, study, trial, search_space):
+        if not search_space:
+            return {}
+        tried = set()
+        for t in study.get_trials(deepcopy=False):
+            if t.number == trial.number:
+                continue
+            p = t.params or t.system_attrs.get("fixed_params") or {}
+            if p:
+                tried.add(self._key(p))
+        fresh = [p for p in self._feasible if self._key(p) not in tried]
+        if not fresh:
+            return self._base.sample_relative(study, trial, search_space)
+        complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        if len(complete) >= self._n_startup:
+            fresh_keys = {self._key(f) for f in fresh}
+            for _ in range(self._tries):
+                p = self._base.sample_relative(study, trial, search_space)
+                if p and self._key(p) in fresh_keys:
+                    return p
+        import random
+
+        return dict(random.Random(self._seed * 1_000_003 + trial.number).choice(fresh))
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self._base.sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study, trial):
+        self._base.before_trial(study, trial)
+
+    def after_trial(self, study, trial, state, values):
+        self._base.after_trial(study, trial, state, values)
+
+    def reseed_rng(self) -> None:
+        self._base.reseed_rng()
 
 
 def fail_running(study: optuna.Study, reason: str, worker: str | None = None) -> int:
@@ -134,7 +202,7 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
     optuna.logging.set_verbosity(logging.ERROR)
     study = optuna.create_study(
         study_name=study_name(spec, bucket), storage=storage, direction="minimize",
-        sampler=make_sampler(sampler, space, seed), load_if_exists=True,
+        sampler=make_sampler(sampler, space, seed, spec), load_if_exists=True,
     )  # fmt: skip
     if not prepare:
         return study
