@@ -193,8 +193,10 @@ def bench_cmd(
     ] = "1,16,256,4096,65536",
     ops: Annotated[
         str,
-        typer.Option(help="Comma-separated ops: mxfp4, int8, fp8e4m3, fp8e5m2, int4, decode."),
-    ] = "mxfp4,int8,fp8e4m3,int4,decode",
+        typer.Option(
+            help="Comma-separated ops: mxfp4, mxfp4-gather, int8, fp8e4m3, fp8e5m2, int4, decode."
+        ),
+    ] = "mxfp4,mxfp4-gather,int8,fp8e4m3,int4,decode",
     latent: Annotated[int, typer.Option(help="Latent width of the MXFP4 store.")] = 512,
     group: Annotated[int, typer.Option(help="MXFP4 group size.")] = 32,
     json_out: Annotated[
@@ -247,14 +249,17 @@ def bench_cmd(
     import itertools
 
     wanted = [o.strip() for o in ops.split(",") if o.strip()]
-    unknown = set(wanted) - {"mxfp4", "int8", "fp8e4m3", "fp8e5m2", "int4", "decode"}
+    unknown = set(wanted) - {"mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "fp8e5m2", "int4",
+                             "decode"}  # fmt: skip
     if unknown:
         err.print(f"[red]error:[/] unknown ops {sorted(unknown)}")
         raise typer.Exit(2)
     cases = []
     if "mxfp4" in wanted:
         cases.append(store.mxfp4_cases(device, sizes, latent, group))
-    for fmt in (o for o in wanted if o not in ("mxfp4", "decode")):
+    if "mxfp4-gather" in wanted:
+        cases.append(store.mxfp4_gather_cases(device, sizes, latent, group))
+    for fmt in (o for o in wanted if o not in ("mxfp4", "mxfp4-gather", "decode")):
         for heads, head_size in store.KV_SHAPES:
             cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
     rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
@@ -489,7 +494,7 @@ def _default_tuned(spec) -> bool:
     f = spec.fields()
     if spec.family == "mla_decode":
         return f["head_dim"] == 576 and f["dtype"] == "bf16"
-    if spec.family == "store_mxfp4_mla":
+    if spec.family in ("store_mxfp4_mla", "gather_mxfp4_mla"):
         return f["latent"] == 512 and f["layout"] == "paged" and f["group"] == 32
     if spec.family == "store_kv_int4_per_token_head" and f["channels"] != 32:
         return False

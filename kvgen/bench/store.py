@@ -79,6 +79,41 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         yield Case("store_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check)
 
 
+def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
+    """The reader: ``gather_mxfp4_mla`` of ``t`` random slots of a filled cache (bytes: slots
+    and the rows read, the dequantized rows written)."""
+    from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec
+    from kvgen.formats import mxfp4
+    from kvgen.ops import gather_mxfp4_mla
+    from kvgen.runtime import target_of
+
+    arch, target = target_of(torch.device(device))
+    name = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dtype], "paged", arch, target).name
+    pitch = mxfp4.row_bytes(latent, group)
+    for t in tokens:
+        blocks = -(-t // BLOCK_SIZE) + 1
+        in_bytes = t * 8 + t * pitch
+        out_bytes = t * latent * dtype.itemsize
+        n_sets = harness.sets_for(blocks * BLOCK_SIZE * pitch + out_bytes)
+        caches = []
+        for _ in range(n_sets):
+            c = torch.randint(0, 256, (blocks, BLOCK_SIZE, pitch), dtype=torch.uint8)
+            c[..., latent // 2 :] = torch.randint(100, 150, c[..., latent // 2 :].shape,
+                                                  dtype=torch.uint8)  # sane scales  # fmt: skip
+            caches.append(c.to(device))
+        slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
+
+        def step(i, slots=slots, caches=caches):
+            gather_mxfp4_mla(caches[i], slots[i], latent, group, dtype)
+
+        def check(slots=slots, caches=caches):
+            got = gather_mxfp4_mla(caches[0], slots[0], latent, group, dtype).cpu()
+            want = mxfp4.gather(caches[0].cpu(), slots[0].cpu(), latent, group).to(dtype)
+            return bool(torch.equal(got, want))
+
+        yield Case("gather_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check)
+
+
 def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> list[Row]:
     from kvgen import configs
 

@@ -43,6 +43,38 @@ def _mxfp4_store(spec, bucket, device):
     return run, check, n_sets
 
 
+def _mxfp4_gather(spec, bucket, device):
+    from kvgen.formats import mxfp4
+
+    t = bucket["num_tokens"]
+    pitch = mxfp4.row_bytes(spec.latent, spec.group)
+    blocks, bs = -(-t // 64) + 1, 64
+    dtype = _dtypes.TORCH[spec.out_dtype]
+    n_sets = harness.sets_for(blocks * bs * pitch + t * spec.latent * dtype.itemsize)
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(blocks * bs, spec.latent)
+        cache = torch.zeros(blocks, bs, pitch, dtype=torch.uint8)
+        mxfp4.store(x, torch.arange(blocks * bs), cache, spec.group)  # every slot holds a row
+        slots = torch.randperm(blocks * bs, device=device)[:t]
+        out = torch.empty(t, spec.latent, dtype=dtype, device=device)
+        sets.append((cache.to(device), slots, out))
+    launch = load(spec).launch
+
+    def run(i, meta):
+        cache, slots, out = sets[i]
+        launch(cache, slots, out, blocks * bs, bs, cache.stride(0), **meta)
+
+    def check(meta):
+        cache, slots, out = sets[0]
+        out.fill_(float("nan"))
+        launch(cache, slots, out, blocks * bs, bs, cache.stride(0), **meta)
+        want = mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype)
+        return torch.equal(out.cpu(), want)
+
+    return run, check, n_sets
+
+
 def _kv_store(spec, bucket, device):
     from kvgen.bench.store import kv_cases
 
@@ -110,6 +142,7 @@ def _mla_decode(spec, bucket, device):
 _BUILDERS = {
     "mla_decode": _mla_decode,
     "store_mxfp4_mla": _mxfp4_store,
+    "gather_mxfp4_mla": _mxfp4_gather,
     "store_kv_per_token_head": _kv_store,
     "store_kv_int4_per_token_head": _kv_store,
 }
