@@ -445,7 +445,9 @@ def tune_cmd(
             deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
         )  # fmt: skip
         t0 = time.monotonic()
-        exits = parallel.run_workers(plan, devices, log=err.print)
+        exits = parallel.run_workers(
+            plan, devices, log=lambda line: err.print(line, markup=False, highlight=False)
+        )
         dead = [e for e in exits if e.returncode != 0]
         err.print(f"workers done in {time.monotonic() - t0:.1f} s"
                   + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip

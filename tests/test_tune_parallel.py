@@ -229,3 +229,36 @@ def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, mo
     store, exits, lines = _run(postgres_url, "tpe", 8, log, workers=2)
     assert all(e.returncode == 0 for e in exits), lines
     _check_dead_worker(_study(store, BUCKETS[0]), log, 8)
+
+
+def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, monkeypatch):
+    """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
+    import torch
+    from typer.testing import CliRunner
+
+    import kvgen.cli
+    import kvgen.runtime
+    from kvgen.bench import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kvgen.runtime, "local_target", lambda: ("sm90", "gpu"))
+    monkeypatch.setattr(harness, "environment", lambda commit=None: dict(ENV))
+    monkeypatch.setattr(parallel, "visible_devices", lambda: ["fake0", "fake1"])
+    for k, v in _env(tmp_path / "evals.log", sleep=0.01).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+    args = ["tune", SPEC.name, "--arch", "sm90", "--sampler", "grid", "--buckets", "16,65536",
+            "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
+            "--jobs", "1", "--gpus", "2"]  # fmt: skip
+    result = CliRunner().invoke(kvgen.cli.app, args)
+    assert result.exit_code == 0, result.output
+    assert "on 2 GPU(s)" in result.output and "[gpu fake1]" in result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    best = min(SPACE.feasible(SPEC), key=fake.cost)
+    for b in ("num_tokens=16", "num_tokens=65536"):
+        entry = doc["entries"][SPEC.name][b]
+        assert entry["time_us"] == fake.cost(entry["meta"]) == fake.cost(best)
+        assert entry["trials"] == len(SPACE.points())
+    assert len({pid for pid, _, _ in _evaluations(tmp_path / "evals.log")}) == 2
+    result = CliRunner().invoke(kvgen.cli.app, [*args[:-1], "3"])
+    assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output

@@ -51,7 +51,10 @@ class Plan:
     n_trials: int
     seed: int = 0
     deadline: float | None = None  # time.time() after which no trial starts
-    evaluator: str = GPU_EVALUATOR
+    # ``module:function``; KVGEN_TUNE_EVALUATOR replaces the GPU one (the tests' fake timer)
+    evaluator: str = dataclasses.field(
+        default_factory=lambda: os.environ.get("KVGEN_TUNE_EVALUATOR", GPU_EVALUATOR)
+    )
 
 
 @dataclasses.dataclass
