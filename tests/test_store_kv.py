@@ -37,10 +37,22 @@ def _op(spec):
 
 
 def _run_and_compare(spec, device, tokens, heads, block_size, layout="nhd", joint=False, seed=0,
-                     num_blocks=None, slots=None):  # fmt: skip
+                     num_blocks=None, slots=None, qkv_offset=None):  # fmt: skip
     dt = DTYPES[spec.in_dtype]
     key = edge_case_heads(tokens, heads, spec.head_size, dt, seed)
     value = edge_case_heads(tokens, heads, spec.head_size_v, dt, seed + 1)
+    if qkv_offset is not None:
+        # K and V as vLLM passes them: strided views into one [tokens, q | k | v] projection,
+        # starting qkv_offset elements into each row
+        kw, vw = heads * spec.head_size, heads * spec.head_size_v
+        qkv = torch.full((tokens, qkv_offset + kw + vw + 3), float("nan"), dtype=dt)
+        qkv[:, qkv_offset : qkv_offset + kw] = key.flatten(1)
+        qkv[:, qkv_offset + kw : qkv_offset + kw + vw] = value.flatten(1)
+        qkv = qkv.to(device)
+        key = qkv[:, qkv_offset : qkv_offset + kw].view(tokens, heads, spec.head_size)
+        value = qkv[:, qkv_offset + kw : qkv_offset + kw + vw].view(tokens, heads,
+                                                                    spec.head_size_v)  # fmt: skip
+        assert not key.is_contiguous()
     num_blocks = num_blocks or -(-2 * tokens // block_size) + 1
     caches = make_kv_caches(spec, num_blocks, block_size, heads, device, layout, joint)
     if slots is None:
@@ -95,6 +107,24 @@ def test_different_head_sizes_not_powers_of_two(device):
     for spec in (StoreKVPerTokenHeadSpec("fp8e4m3", 80, 96, "bf16", ARCH, TARGET),
                  StoreKVInt4Spec(64, 192, 80, "fp16", ARCH, TARGET)):  # fmt: skip
         _run_and_compare(spec, device, tokens=5, heads=2, block_size=4)
+
+
+@pytest.mark.parametrize("offset", [0, 64, 1], ids=["aligned", "offset", "odd-offset"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_key_value_strided_views_of_qkv(fmt, offset, device):
+    """K/V slices of a qkv projection: even strides are read in place as element pairs; an odd
+    offset (no pairs on word boundaries) still gives the same bytes."""
+    spec = (StoreKVInt4Spec(32, 128, 64, "bf16", ARCH, TARGET) if fmt == "int4"
+            else StoreKVPerTokenHeadSpec(fmt, 128, 64, "bf16", ARCH, TARGET))  # fmt: skip
+    _run_and_compare(spec, device, tokens=6, heads=2, block_size=8, qkv_offset=offset)
+
+
+@pytest.mark.parametrize("d,dv,dt", [(81, 63, "bf16"), (33, 128, "fp32"), (7, 9, "fp16")])
+def test_int4_odd_head_sizes(d, dv, dt, device):
+    """Odd head sizes: the last byte's high nibble is padding and codes 0."""
+    for c in (16, 32):
+        _run_and_compare(StoreKVInt4Spec(c, d, dv, dt, ARCH, TARGET), device, tokens=5, heads=3,
+                         block_size=4)  # fmt: skip
 
 
 def test_int32_slots_and_aliases(device):

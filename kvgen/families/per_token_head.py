@@ -28,13 +28,14 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def pieces(width: int, most: int = 4) -> list[tuple[int, int, int]]:
-    """A head of ``width`` channels as power-of-two tiles ``(offset, tile, valid)``: the binary
-    decomposition (576 = 512 + 64, 80 = 64 + 16), with what is left after ``most - 1`` tiles,
-    or below 16 channels, in one masked tile. Padding 576 to 1024 would waste 44 % of the lanes.
+def pieces(width: int, most: int = 4, min_tile: int = 16) -> list[tuple[int, int, int]]:
+    """A head of ``width`` channels (or scale groups) as power-of-two tiles ``(offset, tile,
+    valid)``: the binary decomposition (576 = 512 + 64, 80 = 64 + 16), with what is left after
+    ``most - 1`` tiles, or below ``min_tile``, in one masked tile. Padding 576 to 1024 would
+    waste 44 % of the lanes.
     """
     out, off = [], 0
-    while width - off >= 16 and len(out) < most - 1:
+    while width - off >= min_tile and len(out) < most - 1:
         tile = 1 << ((width - off).bit_length() - 1)
         out.append((off, tile, tile))
         off += tile
@@ -131,8 +132,11 @@ class StoreKVInt4Spec(VariantSpec):
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
             "groups": groups(self.head_size),
             "groups_v": groups(self.head_size_v),
-            "groups_pad": _next_pow2(groups(self.head_size)),
-            "groups_v_pad": _next_pow2(groups(self.head_size_v)),
+            # scale groups as power-of-two pieces (576 / 32 = 18 = 16 + 2)
+            "k_pieces": pieces(groups(self.head_size), min_tile=1),
+            "v_pieces": pieces(groups(self.head_size_v), min_tile=1),
+            # even head sizes read words of two elements (see the template)
+            "words": self.head_size % 2 == 0 and self.head_size_v % 2 == 0,
             "packed": -(-self.head_size // 2),
             "packed_v": -(-self.head_size_v // 2),
             "min_scale": "1e-06",
