@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--json", required=True)
     ap.add_argument("--logs", default=None, help="folder for the runs' logs (default: tmp)")
+    ap.add_argument("--out", default=None,
+                    help="tuned_configs folder the N-GPU run writes (default: tmp)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvgen-mgpu-"))
@@ -77,12 +79,14 @@ def main() -> None:
                 logs / "warm.log")  # fmt: skip
     print(f"  {warm:.1f} s", flush=True)
     walls = {}
+    outs = {1: tmp / "g1", args.gpus: Path(args.out) if args.out else tmp / f"g{args.gpus}"}
     for n in (1, args.gpus):
         print(f"tuning on {n} GPU(s) ...", flush=True)
-        walls[n] = tune(args.names, n, tmp / f"g{n}.journal", tmp / f"g{n}", args.sampler,
+        walls[n] = tune(args.names, n, tmp / f"g{n}.journal", outs[n], args.sampler,
                         args.trials, 1, logs / f"tune-{n}gpu.log")  # fmt: skip
         print(f"  {walls[n]:.1f} s", flush=True)
-    one, many = entries(tmp / "g1"), entries(tmp / f"g{args.gpus}")
+    one, many = entries(outs[1]), entries(outs[args.gpus])
+    many = {k: v for k, v in many.items() if k[0] in args.names}
     times_one = trial_times(tmp / "g1.journal", args.names)
     rows, same = [], 0
     for key in sorted(one):

@@ -55,11 +55,15 @@ for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
              StoreKVPerTokenHeadSpec("fp8e4m3", 576, 512, "bf16"),
              StoreKVPerTokenHeadSpec("fp8e5m2", 80, 96, "fp16"),
              StoreKVInt4Spec(32, 128, 128, "bf16"),
-             StoreKVInt4Spec(16, 80, 64, "fp32")):  # fmt: skip
+             StoreKVInt4Spec(16, 80, 64, "fp32"),
+             StoreKVInt4Spec(32, 81, 63, "bf16")):  # fmt: skip
     cache = {"int8": "*i8", "fp8e4m3": "*fp8e4nv", "fp8e5m2": "*fp8e5"}.get(
         getattr(spec, "fmt", ""), "*u8")  # fmt: skip
     scale = "*fp16" if cache == "*u8" else "*fp32"
-    types = {"key_ptr": PTR[spec.in_dtype], "value_ptr": PTR[spec.in_dtype],
+    src = PTR[spec.in_dtype]
+    if getattr(load(spec), "WORD_DTYPE", None) is not None:  # int4 reads pairs as words
+        src = "*i64" if spec.in_dtype == "fp32" else "*i32"
+    types = {"key_ptr": src, "value_ptr": src,
              "key_cache_ptr": cache, "value_cache_ptr": cache, "k_scale_ptr": scale,
              "v_scale_ptr": scale, "slot_ptr": "*i64"}  # fmt: skip
     for tokens, heads in ((1, 8), (4, 2)):
