@@ -101,6 +101,11 @@ def run_workers(
         import kvgen
 
         child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        # Each worker checks trials against the reference on the CPU: share the cores out, or
+        # every worker's thread pool spans all of them and they thrash.
+        threads = str(max(1, (os.cpu_count() or 2) // len(devices)))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            child_env.setdefault(var, threads)
         paths = [str(Path(kvgen.__file__).parent.parent), child_env.get("PYTHONPATH")]
         child_env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
         for dev in devices:
@@ -204,7 +209,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             space, plan.sampler, plan.n_trials
         ):
             continue  # taken by other workers (or a finished earlier run)
+        t0 = time.monotonic()
         evaluate = _guarded(factory(spec, bucket))
+        setup = time.monotonic() - t0
         ran = []
         try:
             tuner.work_on_study(study, spec, bucket, space, evaluate, n_trials=plan.n_trials,
@@ -213,7 +220,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
-        log(f"{label}: ran {len(ran)} trials")
+        log(f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
+            f"({setup:.1f} s building inputs)")  # fmt: skip
         del evaluate
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:
