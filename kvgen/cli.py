@@ -327,6 +327,10 @@ def tune_cmd(
         str | None,
         typer.Option(help="Only these num_tokens buckets (comma-separated; other ops: all)."),
     ] = None,
+    heads: Annotated[
+        str | None,
+        typer.Option(help="Only these num_heads buckets (comma-separated; other ops: all)."),
+    ] = None,
     out: Annotated[
         Path | None, typer.Option(help="tuned_configs folder to write (default: the package's).")
     ] = None,
@@ -391,6 +395,7 @@ def tune_cmd(
         wanted = {f.strip() for f in families.split(",")}
         specs = [s for s in specs if s.family in wanted]
     want = {int(b) for b in buckets.split(",")} if buckets else None
+    want_heads = {int(h) for h in heads.split(",")} if heads else None
     default_store = cache_root() / "tune" / f"{arch}.journal"
     store = tuner.storage_from(storage, default_store)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -401,6 +406,8 @@ def tune_cmd(
         for bucket in space.bucket_list():
             if want is None or bucket.get("num_tokens", next(iter(want))) in want:
                 if "num_heads" in bucket and not _heads_fit(spec, bucket["num_heads"]):
+                    continue
+                if want_heads and "num_heads" in bucket and bucket["num_heads"] not in want_heads:
                     continue
                 jobs.append((spec, space, bucket))
     from kvgen.tune import parallel
