@@ -15,6 +15,14 @@ import sys
 from collections.abc import Callable
 
 
+def _one_thread() -> None:
+    """Many compile processes at once: one CPU thread each for torch (the reference checks),
+    or their thread pools oversubscribe the cores and everything crawls."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _worker(spec, bucket, metas: list[dict]) -> dict[str, str]:
     import torch
 
@@ -50,7 +58,7 @@ def precompile(
         progress(f"compiling {len(metas)} candidates of {spec.name} in {jobs} processes")
     ctx = multiprocessing.get_context("spawn")
     outcome: dict[str, str] = {}
-    with ctx.Pool(jobs) as pool:
+    with ctx.Pool(jobs, initializer=_one_thread) as pool:
         for part in pool.starmap(_worker, [(spec, bucket, c) for c in chunks]):
             outcome.update(part)
     bad = sum(v != "ok" for v in outcome.values())

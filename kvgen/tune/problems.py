@@ -51,14 +51,16 @@ def _mxfp4_gather(spec, bucket, device):
     blocks, bs = -(-t // 64) + 1, 64
     dtype = _dtypes.TORCH[spec.out_dtype]
     n_sets = harness.sets_for(blocks * bs * pitch + t * spec.latent * dtype.itemsize)
+    # Every slot holds a row, encoded once by the reference; the rotated sets are copies.
+    filled = torch.zeros(blocks, bs, pitch, dtype=torch.uint8)
+    mxfp4.store(torch.randn(blocks * bs, spec.latent), torch.arange(blocks * bs), filled,
+                spec.group)  # fmt: skip
+    filled = filled.to(device)
     sets = []
     for _ in range(n_sets):
-        x = torch.randn(blocks * bs, spec.latent)
-        cache = torch.zeros(blocks, bs, pitch, dtype=torch.uint8)
-        mxfp4.store(x, torch.arange(blocks * bs), cache, spec.group)  # every slot holds a row
         slots = torch.randperm(blocks * bs, device=device)[:t]
         out = torch.empty(t, spec.latent, dtype=dtype, device=device)
-        sets.append((cache.to(device), slots, out))
+        sets.append((filled.clone(), slots, out))
     launch = load(spec).launch
 
     def run(i, meta):
