@@ -213,3 +213,36 @@ def test_scale_exponent_at_every_boundary(device):
     store_mxfp4_mla(x.to(device), slots, cache.view, group)
     got = cache.backing.cpu()
     assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+
+
+def _every_value_groups(dtype: torch.dtype, peak_shifts=(0, 1, 3, 9)) -> torch.Tensor:
+    """Rows of 32-element groups holding every finite value of ``dtype``, each group led by a
+    peak 2^d times its largest magnitude (d in ``peak_shifts``, capped at the largest finite):
+    every input is quantized at several distances below its group's scale."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(dtype).float()
+    vals = vals[torch.isfinite(vals)]
+    vals = vals[vals.abs().argsort(stable=True)]
+    vals = torch.cat([vals, vals.new_zeros(-len(vals) % 31)]).view(-1, 31)
+    biggest = torch.finfo(dtype).max
+    groups = []
+    for d in peak_shifts:
+        peak = (vals.abs().amax(dim=1, keepdim=True) * 2.0**d).clamp(max=biggest)
+        groups.append(torch.cat([peak.to(dtype).float(), vals], dim=1))
+    rows = torch.cat(groups).to(dtype)
+    rows = torch.cat([rows, rows.new_zeros(-len(rows) % 16, 32)])  # 16 groups = one 512 row
+    return rows.view(-1, 512)
+
+
+@pytest.mark.parametrize("in_dtype", ["bf16", "fp16"])
+def test_every_input_value_is_byte_exact(in_dtype, device):
+    """Every finite bf16 / fp16 value (both signs, -0, subnormals, the largest), at several
+    distances below its group's peak, against the reference."""
+    x = _every_value_groups(DTYPES[in_dtype])
+    pitch = mxfp4.row_bytes(512, 32)
+    cache = make_cache("flat", x.shape[0], pitch, device)
+    slots = torch.arange(x.shape[0], device=device)
+    want = _cpu_reference(cache, x, slots, 32)
+    store_mxfp4_mla(x.to(device), slots, cache.view, 32)
+    got = cache.backing.cpu()
+    assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
