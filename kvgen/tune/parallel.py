@@ -220,8 +220,10 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
+        r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket))
+        best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
         log(f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
-            f"({setup:.1f} s building inputs)")  # fmt: skip
+            f"({setup:.1f} s building inputs); study best so far {best}")  # fmt: skip
         del evaluate
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:
