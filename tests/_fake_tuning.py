@@ -3,7 +3,8 @@
 Workers import it as ``_fake_tuning:evaluator`` (the tests put this folder on PYTHONPATH).
 Environment knobs: KVGEN_FAKE_LOG (a file: every evaluation appends "pid params" to it),
 KVGEN_FAKE_SLEEP (seconds per trial), KVGEN_FAKE_DIE_AT (a trial count: the worker whose
-evaluation brings the log to that many lines kills itself with SIGKILL mid-trial, once).
+evaluation brings the log to that many lines kills itself with SIGKILL mid-trial, once),
+KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives).
 """
 
 import fcntl
@@ -26,6 +27,7 @@ def evaluator(spec, bucket):
     log = os.environ.get("KVGEN_FAKE_LOG")
     sleep = float(os.environ.get("KVGEN_FAKE_SLEEP", "0"))
     die_at = int(os.environ.get("KVGEN_FAKE_DIE_AT", "0"))
+    fault_at = int(os.environ.get("KVGEN_FAKE_FAULT_AT", "0"))
 
     def evaluate(meta):
         if log:
@@ -40,6 +42,8 @@ def evaluator(spec, bucket):
                 f.flush()
             if n == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if n == fault_at:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
         time.sleep(sleep)
         return cost(meta)
 

@@ -32,12 +32,13 @@ FAKE = "_fake_tuning:evaluator"
 ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "x", "triton": "3.6.0"}
 
 
-def _env(log, sleep=0.02, die_at=0):
+def _env(log, sleep=0.02, die_at=0, fault_at=0):
     return {
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "KVGEN_FAKE_LOG": str(log),
         "KVGEN_FAKE_SLEEP": str(sleep),
         "KVGEN_FAKE_DIE_AT": str(die_at),
+        "KVGEN_FAKE_FAULT_AT": str(fault_at),
     }
 
 
@@ -147,6 +148,25 @@ def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
         trials = _study(store, b).trials
         assert len(tuner.counted(trials)) == 16
         assert [t.params for t in trials[:10]] == first[tuner.study_name(SPEC, b)]
+
+
+def test_gpu_fault_stops_only_that_worker(tmp_path):
+    """A broken CUDA context (every later trial of that process would fail): the worker fails
+    its trial and exits; the others finish the studies."""
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 10, log, workers=3,
+                               fault_at=4)  # fmt: skip
+    faulted = [e for e in exits if e.returncode != 0]
+    assert [e.returncode for e in faulted] == [parallel.EXIT_FAULT], lines
+    assert any("GPU fault, this worker stops" in line for line in lines)
+    assert any("died (a GPU fault)" in line for line in lines)
+    failed = []
+    for b in BUCKETS:
+        study = _study(store, b)
+        assert len(tuner.counted(study.trials)) == 10
+        assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+        failed += [t for t in study.trials if "worker fault" in t.user_attrs.get("failure", "")]
+    assert len(failed) == 1
 
 
 def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
