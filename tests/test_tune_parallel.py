@@ -282,3 +282,44 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, monkeypatch):
     assert len({pid for pid, _, _ in _evaluations(tmp_path / "evals.log")}) == 2
     result = CliRunner().invoke(kvgen.cli.app, [*args[:-1], "3"])
     assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output
+
+
+def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
+    """Ctrl-C in a terminal reaches the coordinator and its workers: no worker is left
+    running, no trial is left RUNNING, and the same command resumes."""
+    import signal
+
+    journal = str(tmp_path / "tune.journal")
+    log = tmp_path / "evals.log"
+    _prepare(journal, "tpe", 12)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
+                         n_trials=12, evaluator=FAKE)  # fmt: skip
+    (tmp_path / "plan.pkl").write_bytes(pickle.dumps(plan))
+    script = tmp_path / "coordinator.py"
+    script.write_text(
+        "import pickle, sys\n"
+        "from kvgen.tune import parallel\n"
+        "plan = pickle.load(open(sys.argv[1], 'rb'))\n"
+        "parallel.run_workers(plan, ['a', 'b'], log=lambda s: print(s, flush=True))\n"
+    )
+    env = {**os.environ, **_env(log, sleep=0.3)}
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "plan.pkl")], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not log.exists() or len(_evaluations(log)) < 3):
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode != 0 and "interrupted: the workers are stopped" in out, out
+    pids = {int(pid) for pid, _, _ in _evaluations(log)}
+    for pid in pids:  # every worker is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    store = tuner.storage_from(journal, Path(journal))
+    for b in BUCKETS:
+        assert not _study(store, b).get_trials(states=(optuna.trial.TrialState.RUNNING,))
+    store, exits, lines = _run(journal, "tpe", 12, log, workers=2)
+    assert all(e.returncode == 0 for e in exits), lines
+    for b in BUCKETS:
+        assert len(tuner.counted(_study(store, b).trials)) == 12

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -120,22 +121,39 @@ def run_workers(
             pumps.append(t)
         log(f"started {len(procs)} workers (pids {', '.join(str(p.pid) for p in procs.values())})")
         exits: dict[str, WorkerExit] = {}
-        while len(exits) < len(procs):
-            for dev, p in procs.items():
-                if dev in exits or p.poll() is None:
-                    continue
-                failed = 0
-                if p.returncode != 0:
-                    failed = _fail_trials_of(plan, storage, worker_id(p.pid))
-                    why = (
-                        "a GPU fault" if p.returncode == EXIT_FAULT
-                        else f"signal {-p.returncode}" if p.returncode < 0
-                        else f"exit status {p.returncode}"
-                    )  # fmt: skip
-                    log(f"worker on GPU {dev} died ({why}); {failed} running trial(s) failed; "
-                        "the other workers go on")  # fmt: skip
-                exits[dev] = WorkerExit(dev, p.returncode, failed)
-            time.sleep(poll_s)
+        try:
+            while len(exits) < len(procs):
+                for dev, p in procs.items():
+                    if dev in exits or p.poll() is None:
+                        continue
+                    failed = 0
+                    if p.returncode != 0:
+                        failed = _fail_trials_of(plan, storage, worker_id(p.pid))
+                        why = (
+                            "a GPU fault" if p.returncode == EXIT_FAULT
+                            else f"signal {-p.returncode}" if p.returncode < 0
+                            else f"exit status {p.returncode}"
+                        )  # fmt: skip
+                        log(f"worker on GPU {dev} died ({why}); {failed} running trial(s) "
+                            "failed; the other workers go on")  # fmt: skip
+                    exits[dev] = WorkerExit(dev, p.returncode, failed)
+                time.sleep(poll_s)
+        except KeyboardInterrupt:
+            # Ctrl-C: stop every worker, fail what they were running, and let the caller stop.
+            # An interrupt (not a kill) lets a worker leave the journal file's lock it may hold;
+            # a killed holder would stall every other process for the lock's grace period.
+            for p in procs.values():
+                if p.poll() is None:
+                    p.send_signal(signal.SIGINT)
+            for p in procs.values():
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                _fail_trials_of(plan, storage, worker_id(p.pid))
+            log("interrupted: the workers are stopped; the same command resumes the studies")
+            raise
         for t in pumps:
             t.join(timeout=5)
     import optuna

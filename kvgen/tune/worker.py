@@ -15,7 +15,10 @@ def main(argv: list[str]) -> int:
     from kvgen.tune import parallel
 
     plan = pickle.loads(Path(argv[0]).read_bytes())
-    return parallel.work(plan, log=lambda line: print(line, flush=True))
+    try:
+        return parallel.work(plan, log=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the coordinator reports
+        return 130
 
 
 if __name__ == "__main__":
