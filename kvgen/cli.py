@@ -435,55 +435,59 @@ def tune_cmd(
                        progress=err.print)  # fmt: skip
 
     results: dict[str, list] = {}
-    if len(devices) > 1:
-        if workers > 1:  # the Triton cache on disk is shared by the workers of this host
-            seen = set()
-            for spec, space, _ in jobs:
-                if spec.name not in seen:
-                    seen.add(spec.name)
+    try:
+        if len(devices) > 1:
+            if workers > 1:  # the Triton cache on disk is shared by the workers of this host
+                seen = set()
+                for spec, space, _ in jobs:
+                    if spec.name not in seen:
+                        seen.add(spec.name)
+                        precompile_variant(spec, space)
+            for spec, space, bucket in jobs:  # before any worker starts: see tuner.open_study
+                tuner.open_study(spec, bucket, space, storage=store, sampler=sampler,
+                                 n_trials=trials)  # fmt: skip
+            plan = parallel.Plan(
+                jobs=[(spec, bucket) for spec, _, bucket in jobs],
+                storage=storage if storage and "://" in storage else str(storage or default_store),
+                sampler=sampler, n_trials=trials,
+                deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
+            )  # fmt: skip
+            t0 = time.monotonic()
+            exits = parallel.run_workers(
+                plan, devices, log=lambda line: err.print(line, markup=False, highlight=False)
+            )
+            dead = [e for e in exits if e.returncode != 0]
+            err.print(f"workers done in {time.monotonic() - t0:.1f} s"
+                      + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
+            for i, (spec, _, bucket) in enumerate(jobs, 1):
+                r = tuner.load_result(spec, bucket, store)
+                _report(r, f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}")
+                results.setdefault(spec.family, []).append(r)
+        else:
+            compiled = set()
+            for i, (spec, space, bucket) in enumerate(jobs, 1):
+                if workers > 1 and spec.name not in compiled:
+                    compiled.add(spec.name)
                     precompile_variant(spec, space)
-        for spec, space, bucket in jobs:  # before any worker starts: see tuner.open_study
-            tuner.open_study(spec, bucket, space, storage=store, sampler=sampler,
-                             n_trials=trials)  # fmt: skip
-        plan = parallel.Plan(
-            jobs=[(spec, bucket) for spec, _, bucket in jobs],
-            storage=storage if storage and "://" in storage else str(storage or default_store),
-            sampler=sampler, n_trials=trials,
-            deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
-        )  # fmt: skip
-        t0 = time.monotonic()
-        exits = parallel.run_workers(
-            plan, devices, log=lambda line: err.print(line, markup=False, highlight=False)
-        )
-        dead = [e for e in exits if e.returncode != 0]
-        err.print(f"workers done in {time.monotonic() - t0:.1f} s"
-                  + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
-        for i, (spec, _, bucket) in enumerate(jobs, 1):
-            r = tuner.load_result(spec, bucket, store)
-            _report(r, f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}")
-            results.setdefault(spec.family, []).append(r)
-    else:
-        compiled = set()
-        for i, (spec, space, bucket) in enumerate(jobs, 1):
-            if workers > 1 and spec.name not in compiled:
-                compiled.add(spec.name)
-                precompile_variant(spec, space)
-            label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
+                label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
 
-            def show(r, label=label):
-                if err.is_terminal:  # a live line; logs get the summary below only
-                    best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
-                    err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
+                def show(r, label=label):
+                    if err.is_terminal:  # a live line; logs get the summary below only
+                        best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
+                        err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
 
-            evaluate = problems.gpu_evaluator(spec, bucket)
-            r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
-                                n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
-            _report(r, label)
-            results.setdefault(spec.family, []).append(r)
-            torch.cuda.empty_cache()
-            if deadline is not None and time.monotonic() > deadline:
-                err.print("wall-clock budget spent; writing what was found")
-                break
+                evaluate = problems.gpu_evaluator(spec, bucket)
+                r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
+                                    n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
+                _report(r, label)
+                results.setdefault(spec.family, []).append(r)
+                torch.cuda.empty_cache()
+                if deadline is not None and time.monotonic() > deadline:
+                    err.print("wall-clock budget spent; writing what was found")
+                    break
+    except KeyboardInterrupt:
+        err.print("\ninterrupted: nothing written; the same command resumes the studies")
+        raise typer.Exit(130) from None
     for family, rs in results.items():
         path = tuner.write_results(out or tuned_configs_dir(), arch, family, rs, env,
                                    sampler, trials)  # fmt: skip
