@@ -15,6 +15,8 @@ import time
 
 
 def cost(meta):
+    if "rows_per_program" not in meta:  # another family's space: any fixed surface will do
+        return 10.0 + sum(abs(v - 2) * (i + 1) for i, v in enumerate(sorted(meta.values())))
     return (
         10.0
         + abs(meta["rows_per_program"] - 4) * 3

@@ -323,3 +323,51 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
     assert all(e.returncode == 0 for e in exits), lines
     for b in BUCKETS:
         assert len(tuner.counted(_study(store, b).trials)) == 12
+
+
+def test_wall_clock_budget_stops_the_workers(tmp_path):
+    """A deadline: the workers start no trial after it; the studies keep what ran, and a later
+    run without one completes them."""
+    journal = str(tmp_path / "tune.journal")
+    log = tmp_path / "evals.log"
+    store = _prepare(journal, "tpe", 40)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
+                         n_trials=40, evaluator=FAKE, deadline=time.time() + 4.0)  # fmt: skip
+    t0 = time.monotonic()
+    lines = []
+    exits = parallel.run_workers(plan, ["a", "b"], log=lines.append,
+                                 env=_env(log, sleep=0.2))  # fmt: skip
+    assert all(e.returncode == 0 for e in exits), lines
+    assert time.monotonic() - t0 < 20
+    ran = sum(len(tuner.counted(_study(store, b).trials)) for b in BUCKETS)
+    assert 0 < ran < 80  # stopped early, kept what it ran
+    store, exits, lines = _run(journal, "tpe", 40, log, workers=2)
+    for b in BUCKETS:
+        assert len(tuner.counted(_study(store, b).trials)) == 40
+
+
+def test_tune_command_bucket_filters(tmp_path, monkeypatch):
+    """--buckets and --heads pick the studies: one per (num_tokens, num_heads) asked for."""
+    import torch
+    from typer.testing import CliRunner
+
+    import kvgen.cli
+    import kvgen.runtime
+    from kvgen.bench import harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kvgen.runtime, "local_target", lambda: ("sm90", "gpu"))
+    monkeypatch.setattr(harness, "environment", lambda commit=None: dict(ENV))
+    monkeypatch.setattr(parallel, "visible_devices", lambda: ["fake0", "fake1"])
+    for k, v in _env(tmp_path / "evals.log", sleep=0.0).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+    name = "store_kv_per_token_head-int8-d128-dv128-bf16-sm90-gpu"
+    args = ["tune", name, "--trials", "6", "--buckets", "16,65536", "--heads", "8",
+            "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
+            "--jobs", "1", "--gpus", "2"]  # fmt: skip
+    result = CliRunner().invoke(kvgen.cli.app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / "store_kv_per_token_head.json").read_text())
+    assert sorted(doc["entries"][name]) == ["num_tokens=16,num_heads=8",
+                                            "num_tokens=65536,num_heads=8"]  # fmt: skip
