@@ -85,6 +85,8 @@ for spec in (
             chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v
             types["k_lat_desc"] = f"tensordesc<{spec.dtype}[{bn}, {chunk}]>"
             types["k_rope_desc"] = f"tensordesc<{spec.dtype}[{bn}, {rope}]>"
+            types["q_desc"] = f"tensordesc<{spec.dtype}[{bh}, {chunk}]>"
+            types["q_rope_desc"] = f"tensordesc<{spec.dtype}[{bh}, {rope}]>"
         compile_fn(spec.name, mod.split_kernel, types,
                    {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2})  # fmt: skip
     compile_fn(spec.name, mod.combine_kernel,

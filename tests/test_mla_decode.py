@@ -61,6 +61,24 @@ def test_variant_unequal_lengths(spec, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec)
 
 
+@pytest.mark.parametrize("layout", ["offset", "strided"])
+def test_tma_variant_takes_any_q_view(layout, device):
+    """The Hopper variant reads Q through TMA descriptors (16-byte aligned rows): a Q that
+    starts 2 bytes into its storage, or whose rows are strided, gives the same result."""
+    spec = next(s for s in VARIANTS if s.variant == "tma" and s.head_dim == 576)
+    q, k, t, sl = _problem([70, 0, 130], 64, 3, 2, 576, torch.bfloat16, device, seed=9)
+    if layout == "offset":
+        flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+        flat[1:] = q.flatten()
+        q = flat[1:].view(q.shape)
+        assert q.data_ptr() % 16 != 0
+    else:
+        wide = torch.zeros(*q.shape[:3], 600, dtype=q.dtype, device=device)
+        wide[..., 8:584] = q
+        q = wide[..., 8:584]
+    _check(q, k, t, sl, 512, causal=True, spec=spec)
+
+
 @pytest.mark.parametrize("page", [1, 5, 64, 256])
 def test_page_sizes(page, device):
     q, k, t, sl = _problem([300, 17, 64], page, 2, 1, 576, torch.bfloat16, device, seed=page)
