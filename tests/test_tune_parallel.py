@@ -251,12 +251,11 @@ def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, mo
     _check_dead_worker(_study(store, BUCKETS[0]), log, 8)
 
 
-def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, monkeypatch):
-    """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
+@pytest.fixture
+def two_fake_gpus(tmp_path, monkeypatch):
+    """`kvgen tune` as on a machine with two GPUs, whose workers time with the fake timer."""
     import torch
-    from typer.testing import CliRunner
 
-    import kvgen.cli
     import kvgen.runtime
     from kvgen.bench import harness
 
@@ -267,10 +266,22 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, monkeypatch):
     for k, v in _env(tmp_path / "evals.log", sleep=0.01).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+
+
+def _kvgen(*args):
+    from typer.testing import CliRunner
+
+    import kvgen.cli
+
+    return CliRunner().invoke(kvgen.cli.app, list(args))
+
+
+def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
+    """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
     args = ["tune", SPEC.name, "--arch", "sm90", "--sampler", "grid", "--buckets", "16,65536",
             "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
             "--jobs", "1", "--gpus", "2"]  # fmt: skip
-    result = CliRunner().invoke(kvgen.cli.app, args)
+    result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     assert "on 2 GPU(s)" in result.output and "[gpu fake1]" in result.output
     doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
@@ -280,7 +291,7 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, monkeypatch):
         assert entry["time_us"] == fake.cost(entry["meta"]) == fake.cost(best)
         assert entry["trials"] == len(SPACE.points())
     assert len({pid for pid, _, _ in _evaluations(tmp_path / "evals.log")}) == 2
-    result = CliRunner().invoke(kvgen.cli.app, [*args[:-1], "3"])
+    result = _kvgen(*args[:-1], "3")
     assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output
 
 
@@ -346,27 +357,13 @@ def test_wall_clock_budget_stops_the_workers(tmp_path):
         assert len(tuner.counted(_study(store, b).trials)) == 40
 
 
-def test_tune_command_bucket_filters(tmp_path, monkeypatch):
+def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
     """--buckets and --heads pick the studies: one per (num_tokens, num_heads) asked for."""
-    import torch
-    from typer.testing import CliRunner
-
-    import kvgen.cli
-    import kvgen.runtime
-    from kvgen.bench import harness
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kvgen.runtime, "local_target", lambda: ("sm90", "gpu"))
-    monkeypatch.setattr(harness, "environment", lambda commit=None: dict(ENV))
-    monkeypatch.setattr(parallel, "visible_devices", lambda: ["fake0", "fake1"])
-    for k, v in _env(tmp_path / "evals.log", sleep=0.0).items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
     name = "store_kv_per_token_head-int8-d128-dv128-bf16-sm90-gpu"
     args = ["tune", name, "--trials", "6", "--buckets", "16,65536", "--heads", "8",
             "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
             "--jobs", "1", "--gpus", "2"]  # fmt: skip
-    result = CliRunner().invoke(kvgen.cli.app, args)
+    result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "out" / "sm90" / "store_kv_per_token_head.json").read_text())
     assert sorted(doc["entries"][name]) == ["num_tokens=16,num_heads=8",

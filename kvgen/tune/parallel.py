@@ -159,7 +159,7 @@ def run_workers(
     import optuna
 
     for spec, bucket in plan.jobs:
-        study = _load(storage, spec, bucket)
+        study = tuner.load_study(spec, bucket, storage)
         if study is None:
             continue
         if tuner.shared_by_hosts(storage):
@@ -181,23 +181,12 @@ def _pump(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> No
         log(prefix + line.rstrip("\n"))
 
 
-def _load(storage, spec, bucket):
-    import optuna
-
-    from kvgen.tune import tuner
-
-    try:
-        return optuna.load_study(study_name=tuner.study_name(spec, bucket), storage=storage)
-    except KeyError:
-        return None
-
-
 def _fail_trials_of(plan: Plan, storage, worker: str) -> int:
     from kvgen.tune import tuner
 
     n = 0
     for spec, bucket in plan.jobs:
-        study = _load(storage, spec, bucket)
+        study = tuner.load_study(spec, bucket, storage)
         if study is not None:
             n += tuner.fail_running(study, f"interrupted: worker {worker} died", worker=worker)
     return n
@@ -223,10 +212,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         study = tuner.open_study(spec, bucket, space, storage=storage, sampler=plan.sampler,
                                  seed=plan.seed, n_trials=plan.n_trials, prepare=False)  # fmt: skip
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
-        if len(study.get_trials(deepcopy=False)) >= tuner.budget(
-            space, plan.sampler, plan.n_trials
-        ):
-            continue  # taken by other workers (or a finished earlier run)
+        if tuner.budget_taken(study, tuner.budget(space, plan.sampler, plan.n_trials)):
+            continue  # taken by other workers (or a finished earlier run): build no inputs
         t0 = time.monotonic()
         evaluate = _guarded(factory(spec, bucket))
         setup = time.monotonic() - t0

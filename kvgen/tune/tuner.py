@@ -77,8 +77,12 @@ def shared_by_hosts(storage) -> bool:
     return isinstance(storage, RDBStorage)
 
 
-def make_sampler(kind: str, space: Space, seed: int = 0, spec=None):
-    """The sampler of a study. ``tpe`` (with ``spec``) proposes only points that break no static
+# TPE's random start-up trials (FreshPointSampler draws its own for as many).
+_TPE_STARTUP = 8
+
+
+def make_sampler(kind: str, space: Space, spec, seed: int = 0):
+    """The sampler of ``spec``'s studies. ``tpe`` proposes only points that break no static
     constraint and that the study has not tried yet (see ``FreshPointSampler``)."""
     if kind == "grid":
         # Optuna's grid sampler gives trial number k the k-th point of a seeded shuffle of the
@@ -87,9 +91,9 @@ def make_sampler(kind: str, space: Space, seed: int = 0, spec=None):
     if kind == "tpe":
         # The constant liar makes parallel workers avoid the points others are running; with
         # one worker there is never a running trial to lie about, so it changes nothing.
-        tpe = optuna.samplers.TPESampler(multivariate=True, seed=seed, n_startup_trials=8,
-                                         constant_liar=True)  # fmt: skip
-        return tpe if spec is None else FreshPointSampler(tpe, space, space.feasible(spec), seed)
+        tpe = optuna.samplers.TPESampler(multivariate=True, seed=seed, constant_liar=True,
+                                         n_startup_trials=_TPE_STARTUP)  # fmt: skip
+        return FreshPointSampler(tpe, space, space.feasible(spec), seed)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {kind!r}; expected tpe, grid or random")
@@ -107,7 +111,7 @@ class FreshPointSampler(optuna.samplers.BaseSampler):
     """
 
     def __init__(self, base, space: Space, feasible: list[dict[str, Any]], seed: int = 0,
-                 tries: int = 32, n_startup_trials: int = 8):  # fmt: skip
+                 tries: int = 32, n_startup_trials: int = _TPE_STARTUP):  # fmt: skip
         self._base = base
         self._space = {k: optuna.distributions.CategoricalDistribution(list(v))
                        for k, v in space.params.items()}  # fmt: skip
@@ -192,6 +196,19 @@ def budget(space: Space, sampler: str, n_trials: int) -> int:
     return min(n_trials, len(space.points())) if sampler == "grid" else n_trials
 
 
+def budget_taken(study: optuna.Study, limit: int) -> bool:
+    """Every trial number of the budget handed out (run, running or waiting)."""
+    return len(study.get_trials(deepcopy=False)) >= limit
+
+
+def load_study(spec, bucket: dict[str, int], storage) -> optuna.Study | None:
+    """The stored study of ``spec`` at ``bucket`` (None: no such study yet)."""
+    try:
+        return optuna.load_study(study_name=study_name(spec, bucket), storage=storage)
+    except KeyError:
+        return None
+
+
 def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", seed: int = 0,
                n_trials: int = 40, prepare: bool = True) -> optuna.Study:  # fmt: skip
     """Create or load the study of ``spec`` at ``bucket``. ``prepare`` (the process that starts a
@@ -202,7 +219,7 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
     optuna.logging.set_verbosity(logging.ERROR)
     study = optuna.create_study(
         study_name=study_name(spec, bucket), storage=storage, direction="minimize",
-        sampler=make_sampler(sampler, space, seed, spec), load_if_exists=True,
+        sampler=make_sampler(sampler, space, spec, seed), load_if_exists=True,
     )  # fmt: skip
     if not prepare:
         return study
@@ -275,16 +292,13 @@ def work_on_study(
         trial.set_user_attr("meta", meta)
         return t_us
 
-    def taken() -> bool:
-        return len(study.get_trials(deepcopy=False)) >= limit
-
     def after(s: optuna.Study, t) -> None:
         if on_trial is not None:
             on_trial(s)
-        if taken():
+        if budget_taken(s, limit):
             s.stop()
 
-    if taken() or (deadline is not None and time.monotonic() >= deadline):
+    if budget_taken(study, limit) or (deadline is not None and time.monotonic() >= deadline):
         return
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     study.optimize(objective, timeout=timeout, catch=(TrialFailed,), callbacks=[after])
@@ -334,20 +348,16 @@ def counted(trials) -> list:
 
 def finished_trials(spec, bucket: dict[str, int], storage) -> int:
     """Trials the stored study of ``spec`` at ``bucket`` has finished (0: no study yet)."""
-    try:
-        study = optuna.load_study(study_name=study_name(spec, bucket), storage=storage)
-    except KeyError:
+    study = load_study(spec, bucket, storage)
+    if study is None:
         return 0
     return len(counted(study.get_trials(deepcopy=False, states=_FINISHED)))
 
 
 def load_result(spec, bucket: dict[str, int], storage) -> StudyResult | None:
     """The stored study's result (None: no such study)."""
-    try:
-        study = optuna.load_study(study_name=study_name(spec, bucket), storage=storage)
-    except KeyError:
-        return None
-    return summarize(spec, bucket, study, spec.default_meta(**bucket))
+    study = load_study(spec, bucket, storage)
+    return None if study is None else summarize(spec, bucket, study, spec.default_meta(**bucket))
 
 
 def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
