@@ -59,24 +59,37 @@ def default_heads_per_program(num_heads: int, head_size: int) -> int:
     return max(1, min(_next_pow2(num_heads), _next_pow2(max(1, 1024 // head_size))))
 
 
-def default_tokens_per_program(num_tokens: int, heads: int, head_size: int) -> int:
-    # Few tokens: one per program (the shortest path). Many: at least about 2048 channels of K
-    # each (a 576-wide head: 4 tokens; at 2 the per-row work dominates: 65 vs 47 SASS
-    # instructions per element for int4, 49 vs 41 for int8, local sm90 compiles).
+def _pow2_floor(x: float) -> int:
+    return 1 << max(0, int(x).bit_length() - 1)
+
+
+def default_tokens_per_program(num_tokens: int, heads: int, row: int) -> int:
+    # Few tokens: one per program (the shortest path). Many: about 4096 K + V elements a
+    # program (``row`` = head_size + head_size_v), rounded down: 8 x 128 -> 2 tokens of 8 heads,
+    # 1 x 576 -> 2 tokens.
     if num_tokens <= 64:
         return 1
-    return max(1, min(8, _next_pow2(-(-2048 // (heads * head_size)))))
+    return max(1, min(8, _pow2_floor(4096 / (heads * row))))
+
+
+def default_num_warps(tokens: int, heads: int, row: int) -> int:
+    # About 64 elements a thread (2048 a warp). Wide rows then stay inside one warp, whose lanes
+    # reduce them by shuffles: 1 x 576, 2 tokens, int8 compiles (sm90, with the bench's
+    # strides) to 19 SASS instructions an element on 1 warp against 43 on 4, which reduce
+    # through shared memory; 8 x 128, 2 tokens of 8 heads: 18 on 2 warps, 22 on 4.
+    return max(1, min(8, _pow2_floor(tokens * heads * row / 2048)))
 
 
 def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
     width = max(spec.head_size, spec.head_size_v)
+    row = spec.head_size + spec.head_size_v
     # Few tokens: latency is the path length of one program, so one head each (8 x 128 int8,
     # 1 token: 408 SASS instructions a thread instead of 1304 with 8 heads; the int4 tuning
     # on the H200 chose 1 head per program at 1-256 tokens too).
     heads = 1 if num_tokens <= 64 else default_heads_per_program(num_heads, width)
-    tokens = default_tokens_per_program(num_tokens, heads, width)
-    return {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": 4,
-            "num_stages": 1}  # fmt: skip
+    tokens = default_tokens_per_program(num_tokens, heads, row)
+    return {"tokens_per_program": tokens, "heads_per_program": heads,
+            "num_warps": default_num_warps(tokens, heads, row), "num_stages": 1}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
