@@ -13,7 +13,7 @@ import ast
 import itertools
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
@@ -105,6 +105,9 @@ class Space:
     params: dict[str, tuple]
     buckets: dict[str, tuple[int, ...]]
     constraints: dict[str, str]
+    # Constraints that also name the bucket's sizes (e.g. no more heads per program than the
+    # bucket has heads): checked when a study of a bucket proposes a point.
+    bucket_constraints: dict[str, str] = field(default_factory=dict)
 
     def points(self) -> list[dict[str, Any]]:
         """Every combination of parameter values (the exhaustive grid)."""
@@ -117,14 +120,20 @@ class Space:
         return [dict(zip(keys, vals, strict=True))
                 for vals in itertools.product(*self.buckets.values())]  # fmt: skip
 
-    def violations(self, spec, meta: dict[str, Any]) -> list[str]:
-        """Names of the constraints ``meta`` breaks for ``spec`` (empty: it may be compiled)."""
+    def violations(self, spec, meta: dict[str, Any],
+                   bucket: dict[str, int] | None = None) -> list[str]:  # fmt: skip
+        """Names of the constraints ``meta`` breaks for ``spec`` (empty: it may be compiled),
+        and with ``bucket`` also the bucket constraints (empty: it is worth timing there)."""
         names = {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch], **meta}
-        return [name for name, expr in self.constraints.items() if not evaluate(expr, names)]
+        checks = dict(self.constraints)
+        if bucket is not None:
+            names.update(bucket)
+            checks.update(self.bucket_constraints)
+        return [name for name, expr in checks.items() if not evaluate(expr, names)]
 
-    def feasible(self, spec) -> list[dict[str, Any]]:
-        """The grid points that break no constraint for ``spec``."""
-        return [m for m in self.points() if not self.violations(spec, m)]
+    def feasible(self, spec, bucket: dict[str, int] | None = None) -> list[dict[str, Any]]:
+        """The grid points that break no constraint for ``spec`` (and ``bucket``)."""
+        return [m for m in self.points() if not self.violations(spec, m, bucket)]
 
     def allows(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` names exactly this space's parameters, with values from the space."""
@@ -154,8 +163,9 @@ def load_space(template: str) -> Space:
         params = {k: tuple(v) for k, v in doc["params"].items()}
         buckets = {k: tuple(int(x) for x in v) for k, v in doc["buckets"].items()}
         constraints = dict(doc.get("constraints", {}))
+        bucket_constraints = dict(doc.get("bucket_constraints", {}))
     except (KeyError, TypeError, AttributeError) as exc:
         raise SpaceError(f"{path}: needs [params] and [buckets] tables ({exc})") from None
     if not params or any(not v for v in params.values()):
         raise SpaceError(f"{path}: every parameter needs at least one value")
-    return Space(template, params, buckets, constraints)
+    return Space(template, params, buckets, constraints, bucket_constraints)

@@ -46,11 +46,11 @@ def storage(tmp_path):
 
 def test_default_first_trials_recorded_and_best_found(storage):
     rec = Recorder()
-    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=20)
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=16)
     assert rec.calls[0] == SPEC.default_meta(**BUCKET)
-    assert r.trials == 20
+    assert r.trials == 16
     study = optuna.load_study(study_name=f"{SPEC.name}@num_tokens=65536", storage=storage)
-    assert len(study.trials) == 20
+    assert len(study.trials) == 16
     assert r.time_us == min(t.value for t in study.trials if t.value is not None)
     assert r.default_time_us == fake_time(SPEC.default_meta(**BUCKET))
 
@@ -282,3 +282,19 @@ def test_tpe_proposes_only_fresh_feasible_points(storage):
     r = tuner.run_study(big, BUCKET, space, rec, storage=storage, n_trials=len(feasible))
     assert r.failed == 0
     assert sorted(map(str, rec.calls)) == sorted(map(str, feasible))
+
+
+def test_bucket_constraints_shrink_small_buckets(storage):
+    """At one token a program of several rows only masks lanes: TPE's study there times only
+    the points that fit the bucket, and its budget is capped at their number."""
+    small = {"num_tokens": 1}
+    fit = SPACE.feasible(SPEC, small)
+    assert fit and all(m["rows_per_program"] == 1 for m in fit)
+    assert len(fit) < len(SPACE.feasible(SPEC)) < len(SPACE.points())
+    assert SPACE.violations(SPEC, {**fit[0], "rows_per_program": 2}, small) == ["rows_fit"]
+    assert SPACE.violations(SPEC, {**fit[0], "rows_per_program": 2}) == []  # static only
+    assert tuner.budget(SPACE, "tpe", 40, SPEC, small) == len(fit)
+    rec = Recorder()
+    r = tuner.run_study(SPEC, small, SPACE, rec, storage=storage, n_trials=40)
+    assert r.failed == 0 and len(rec.calls) == len(fit)
+    assert sorted(map(str, rec.calls)) == sorted(map(str, fit))

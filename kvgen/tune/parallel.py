@@ -212,7 +212,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         study = tuner.open_study(spec, bucket, space, storage=storage, sampler=plan.sampler,
                                  seed=plan.seed, n_trials=plan.n_trials, prepare=False)  # fmt: skip
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
-        if tuner.budget_taken(study, tuner.budget(space, plan.sampler, plan.n_trials)):
+        limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
+        if tuner.budget_taken(study, limit):
             continue  # taken by other workers (or a finished earlier run): build no inputs
         t0 = time.monotonic()
         evaluate = _guarded(factory(spec, bucket))

@@ -81,9 +81,11 @@ def shared_by_hosts(storage) -> bool:
 _TPE_STARTUP = 8
 
 
-def make_sampler(kind: str, space: Space, spec, seed: int = 0):
-    """The sampler of ``spec``'s studies. ``tpe`` proposes only points that break no static
-    constraint and that the study has not tried yet (see ``FreshPointSampler``)."""
+def make_sampler(kind: str, space: Space, spec, seed: int = 0,
+                 bucket: dict[str, int] | None = None):  # fmt: skip
+    """The sampler of ``spec``'s study at ``bucket``. ``tpe`` proposes only points that break no
+    constraint (static, or of the bucket) and that the study has not tried yet (see
+    ``FreshPointSampler``)."""
     if kind == "grid":
         # Optuna's grid sampler gives trial number k the k-th point of a seeded shuffle of the
         # grid: workers sharing a study visit every point once, whatever their interleaving.
@@ -93,7 +95,7 @@ def make_sampler(kind: str, space: Space, spec, seed: int = 0):
         # one worker there is never a running trial to lie about, so it changes nothing.
         tpe = optuna.samplers.TPESampler(multivariate=True, seed=seed, constant_liar=True,
                                          n_startup_trials=_TPE_STARTUP)  # fmt: skip
-        return FreshPointSampler(tpe, space, space.feasible(spec), seed)
+        return FreshPointSampler(tpe, space, space.feasible(spec, bucket), seed)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {kind!r}; expected tpe, grid or random")
@@ -191,9 +193,16 @@ def study_name(spec, bucket: dict[str, int]) -> str:
     return f"{spec.name}@{bucket_key(bucket)}"
 
 
-def budget(space: Space, sampler: str, n_trials: int) -> int:
-    """Trials a study runs in all: ``n_trials``, or the whole grid if that is smaller."""
-    return min(n_trials, len(space.points())) if sampler == "grid" else n_trials
+def budget(space: Space, sampler: str, n_trials: int, spec=None,
+           bucket: dict[str, int] | None = None) -> int:  # fmt: skip
+    """Trials a study runs in all: ``n_trials``, or the whole grid if that is smaller; for TPE
+    at most the points worth timing at the bucket (``spec`` and ``bucket`` given), as it never
+    repeats one."""
+    if sampler == "grid":
+        return min(n_trials, len(space.points()))
+    if sampler == "tpe" and spec is not None and bucket is not None:
+        return min(n_trials, max(1, len(space.feasible(spec, bucket))))
+    return n_trials
 
 
 def budget_taken(study: optuna.Study, limit: int) -> bool:
@@ -219,7 +228,7 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
     optuna.logging.set_verbosity(logging.ERROR)
     study = optuna.create_study(
         study_name=study_name(spec, bucket), storage=storage, direction="minimize",
-        sampler=make_sampler(sampler, space, spec, seed), load_if_exists=True,
+        sampler=make_sampler(sampler, space, spec, seed, bucket), load_if_exists=True,
     )  # fmt: skip
     if not prepare:
         return study
@@ -232,7 +241,7 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
     if (
         sampler != "grid"
         and space.allows(default)
-        and len(done) < budget(space, sampler, n_trials)
+        and len(done) < budget(space, sampler, n_trials, spec, bucket)
         and not any(t.params == default or t.system_attrs.get("fixed_params") == default
                     for t in done)
     ):  # fmt: skip
@@ -265,7 +274,7 @@ def work_on_study(
     trial when the others have taken the last number gets a surplus trial, which it fails at
     once without running it and which no count includes.
     """
-    limit = budget(space, sampler, n_trials)
+    limit = budget(space, sampler, n_trials, spec, bucket)
 
     def objective(trial: optuna.Trial) -> float:
         if worker is not None:
@@ -274,7 +283,7 @@ def work_on_study(
             trial.set_user_attr(_SURPLUS, True)
             raise TrialFailed("surplus: the study's budget was already taken")
         meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
-        broken = space.violations(spec, meta)
+        broken = space.violations(spec, meta, bucket)
         if broken:
             trial.set_user_attr("failure", f"constraints: {', '.join(broken)}")
             raise TrialFailed(f"violates {broken}")
