@@ -63,14 +63,7 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def derived(self) -> dict[str, Any]:
-        # A word holds two elements (int32 for 16-bit inputs, int64 for fp32); a chunk is the
-        # 16 bytes of one vector load.
-        vec = 2 if self.in_dtype == "fp32" else 4
-        return super().derived() | {
-            "torch_dtype": TORCH_DTYPE[self.in_dtype],
-            "vec": vec,
-            "chunks": self.group // 2 // vec,
-        }
+        return super().derived() | {"torch_dtype": TORCH_DTYPE[self.in_dtype]}
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         # Measured on an H200 (benchmarks/results): few tokens want the shortest path per row
