@@ -208,16 +208,3 @@ def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program,
             "num_warps": 4, "num_stages": 1}  # fmt: skip
     monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
     _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
-
-
-@pytest.mark.parametrize("tiles,tokens", [(2, 1), (4, 2), (3, 4)])
-@pytest.mark.parametrize("spec", LAYOUT_SPECS[:3], ids=lambda s: s.name)
-def test_several_tiles_per_program(spec, tiles, tokens, device, monkeypatch):
-    """Programs that store several tiles, the next one's loads issued before this one's stores:
-    ragged last tiles and programs past the end, skipped slots among them."""
-    import kvgen.runtime
-
-    meta = {"tokens_per_program": tokens, "heads_per_program": 2, "num_warps": 1,
-            "num_stages": 1, "tiles_per_program": tiles}  # fmt: skip
-    monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
-    _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")

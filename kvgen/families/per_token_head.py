@@ -127,7 +127,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        return _default_meta(self, num_tokens, num_heads) | {"tiles_per_program": 1}
+        return _default_meta(self, num_tokens, num_heads)
 
 
 @dataclasses.dataclass(frozen=True)
