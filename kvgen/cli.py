@@ -499,7 +499,8 @@ def _report(r, label: str) -> None:
     err.print(
         f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
         f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
-        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed)"
+        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed"
+        f"{f', {r.skipped} skipped by constraints' if r.skipped else ''})"
     )
 
 

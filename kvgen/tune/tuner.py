@@ -40,7 +40,8 @@ class StudyResult:
     time_us: float | None
     default_time_us: float | None
     trials: int
-    failed: int
+    failed: int  # compile errors, wrong results, crashes (not the skipped points)
+    skipped: int = 0  # points that break a constraint: failed at once, never compiled or timed
 
 
 # Heartbeats let the workers of several hosts sharing a database fail the running trial of a
@@ -372,12 +373,13 @@ def load_result(spec, bucket: dict[str, int], storage) -> StudyResult | None:
 def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     trials = counted(study.get_trials(deepcopy=False))
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-    failed = sum(t.state == optuna.trial.TrialState.FAIL for t in trials)
+    fails = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
+    skipped = sum(str(t.user_attrs.get("failure", "")).startswith("constraints:") for t in fails)
     best = min(complete, key=lambda t: t.value, default=None)
     default_t = next((t.value for t in complete if t.params == default), None)
     return StudyResult(
         spec.name, bucket_key(bucket), dict(best.params) if best else None,
-        best.value if best else None, default_t, len(trials), failed,
+        best.value if best else None, default_t, len(trials), len(fails) - skipped, skipped,
     )  # fmt: skip
 
 
