@@ -207,7 +207,11 @@ def bench_cmd(
         str | None, typer.Option(help="Commit to record (default: git HEAD).")
     ] = None,
     compare_default: Annotated[
-        bool, typer.Option(help="Also time the template defaults, to show what tuning gained.")
+        bool,
+        typer.Option(
+            help="Also time the store ops' template defaults, to show what tuning "
+            "gained (the decode's are in `kvgen show`, from its tuning)."
+        ),
     ] = False,
 ) -> None:
     """Time the store ops with CUDA graphs against a same-run device-to-device copy.
@@ -276,6 +280,11 @@ def bench_cmd(
     if "decode" in wanted:
         from kvgen.bench import decode
 
+        if compare_default:
+            err.print(
+                "note: --compare-default times the store ops only; `kvgen show` lists the "
+                "decode's default and tuned times per bucket, measured when it was tuned"
+            )
         mm = decode.matmul_rate(device)
         err.print(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
         decode_rows = decode.run(device, copy_bw, mm, progress=lambda r: err.print(
