@@ -300,3 +300,24 @@ def test_bucket_constraints_shrink_small_buckets(storage):
     r = tuner.run_study(SPEC, small, SPACE, rec, storage=storage, n_trials=40)
     assert r.failed == 0 and len(rec.calls) == len(fit)
     assert sorted(map(str, rec.calls)) == sorted(map(str, fit))
+
+
+@pytest.mark.parametrize(
+    "family", ["store_mxfp4_mla", "gather_mxfp4_mla", "store_kv_per_token_head"]
+)
+def test_tuning_problems_check_candidates(family, device, local_target):
+    """A trial's inputs (the bench's rotated sets) and its reference check, on this machine's
+    target: the default and another candidate pass, and a run leaves a set intact for timing."""
+    from kvgen import registry
+    from kvgen.tune import problems
+
+    arch, target = local_target
+    spec = next(s for s in registry.variants(arch, target, family)
+                if s.fields().get("in_dtype", s.fields().get("out_dtype")) == "bf16")  # fmt: skip
+    bucket = {"num_tokens": 16, **({"num_heads": 2} if "num_heads" in
+                                   load_space(spec.template).buckets else {})}  # fmt: skip
+    run, check, n_sets = problems.builder(family)(spec, bucket, device)
+    default = spec.default_meta(**bucket)
+    other = {**default, next(iter(default)): 2}  # 2 rows or tokens per program
+    assert n_sets >= 1 and check(default) and check(other)
+    run(n_sets - 1, other)

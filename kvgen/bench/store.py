@@ -76,7 +76,8 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
             mxfp4.store(x.cpu(), slots[0].cpu(), ref, group)
             return bool(torch.equal(caches[0].cpu(), ref))
 
-        yield Case("store_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check)
+        yield Case("store_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check,
+                   data=list(zip(xs, slots, caches, strict=True)))  # fmt: skip
 
 
 def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
@@ -111,7 +112,8 @@ def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.
             want = mxfp4.gather(caches[0].cpu(), slots[0].cpu(), latent, group).to(dtype)
             return bool(torch.equal(got, want))
 
-        yield Case("gather_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check)
+        yield Case("gather_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check,
+                   data=list(zip(caches, slots, strict=True)))  # fmt: skip
 
 
 def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> list[Row]:

@@ -12,69 +12,54 @@ from kvgen.tune.tuner import TrialFailed
 
 
 def _mxfp4_store(spec, bucket, device):
+    from kvgen.bench.store import BLOCK_SIZE, mxfp4_cases
     from kvgen.formats import mxfp4
 
-    t = bucket["num_tokens"]
-    pitch = mxfp4.row_bytes(spec.latent, spec.group)
-    blocks, bs = -(-t // 64) + 1, 64
-    dtype = _dtypes.TORCH[spec.in_dtype]
-    n_sets = harness.sets_for(t * (spec.latent * dtype.itemsize + pitch) + blocks * bs * pitch)
-    sets = []
-    for _ in range(n_sets):
-        x = torch.randn(t, spec.latent, device=device).to(dtype)
-        cache = torch.zeros(blocks, bs, pitch, dtype=torch.uint8, device=device)
-        slots = torch.randperm(blocks * bs, device=device)[:t]
-        sets.append((x, slots, cache))
+    case = next(mxfp4_cases(device, (bucket["num_tokens"],), spec.latent, spec.group,
+                            _dtypes.TORCH[spec.in_dtype]))  # fmt: skip
+    sets = case.data  # the bench's rotated (latents, slots, cache) sets
     launch = load(spec).launch
 
     def run(i, meta):
         x, slots, cache = sets[i]
-        launch(x, slots, cache, blocks * bs, bs, cache.stride(0), **meta)
+        launch(x, slots, cache, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
 
     def check(meta):
         x, slots, cache = sets[0]
         x = torch.randn_like(x)
         cache.fill_(0xFF)
-        launch(x, slots, cache, blocks * bs, bs, cache.stride(0), **meta)
+        launch(x, slots, cache, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
         mxfp4.store(x.cpu(), slots.cpu(), want, spec.group)
         return torch.equal(cache.cpu(), want)
 
-    return run, check, n_sets
+    return run, check, case.n_sets
 
 
 def _mxfp4_gather(spec, bucket, device):
+    from kvgen.bench.store import BLOCK_SIZE, mxfp4_gather_cases
     from kvgen.formats import mxfp4
 
     t = bucket["num_tokens"]
-    pitch = mxfp4.row_bytes(spec.latent, spec.group)
-    blocks, bs = -(-t // 64) + 1, 64
     dtype = _dtypes.TORCH[spec.out_dtype]
-    n_sets = harness.sets_for(blocks * bs * pitch + t * spec.latent * dtype.itemsize)
-    # Every slot holds a row, encoded once by the reference; the rotated sets are copies.
-    filled = torch.zeros(blocks, bs, pitch, dtype=torch.uint8)
-    mxfp4.store(torch.randn(blocks * bs, spec.latent), torch.arange(blocks * bs), filled,
-                spec.group)  # fmt: skip
-    filled = filled.to(device)
-    sets = []
-    for _ in range(n_sets):
-        slots = torch.randperm(blocks * bs, device=device)[:t]
-        out = torch.empty(t, spec.latent, dtype=dtype, device=device)
-        sets.append((filled.clone(), slots, out))
+    case = next(mxfp4_gather_cases(device, (t,), spec.latent, spec.group, dtype))
+    # the bench's rotated (filled cache, slots) sets, each with an output buffer
+    sets = [(cache, slots, torch.empty(t, spec.latent, dtype=dtype, device=device))
+            for cache, slots in case.data]  # fmt: skip
     launch = load(spec).launch
 
     def run(i, meta):
         cache, slots, out = sets[i]
-        launch(cache, slots, out, blocks * bs, bs, cache.stride(0), **meta)
+        launch(cache, slots, out, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
 
     def check(meta):
         cache, slots, out = sets[0]
         out.fill_(float("nan"))
-        launch(cache, slots, out, blocks * bs, bs, cache.stride(0), **meta)
+        launch(cache, slots, out, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
         want = mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype)
         return torch.equal(out.cpu(), want)
 
-    return run, check, n_sets
+    return run, check, case.n_sets
 
 
 def _kv_store(spec, bucket, device):
