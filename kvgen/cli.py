@@ -438,7 +438,8 @@ def tune_cmd(
         # Triton specialises integer arguments (== 1, multiples of 16): compile with a middle
         # bucket, which shares its binaries with most of the others.
         mine = [b for s, _, b in jobs if s.name == spec.name]
-        if any(tuner.finished_trials(spec, b, store) < trials for b in mine):
+        if any(tuner.finished_trials(spec, b, store) < tuner.budget(space, sampler, trials, spec, b)
+               for b in mine):  # fmt: skip
             # (a resumed run may have finished every study of this variant)
             precompile(spec, mine[len(mine) // 2], space.feasible(spec), workers,
                        progress=err.print)  # fmt: skip

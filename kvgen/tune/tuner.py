@@ -188,6 +188,8 @@ _FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
              optuna.trial.TrialState.PRUNED)  # fmt: skip
 # A trial created after the study's budget was taken by other workers (see ``work_on_study``).
 _SURPLUS = "surplus"
+# A trial whose point breaks a constraint: failed at once, never compiled or timed.
+_SKIPPED = "skipped"
 
 
 def study_name(spec, bucket: dict[str, int]) -> str:
@@ -286,6 +288,7 @@ def work_on_study(
         meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
         broken = space.violations(spec, meta, bucket)
         if broken:
+            trial.set_user_attr(_SKIPPED, True)
             trial.set_user_attr("failure", f"constraints: {', '.join(broken)}")
             raise TrialFailed(f"violates {broken}")
         try:
@@ -374,7 +377,7 @@ def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     trials = counted(study.get_trials(deepcopy=False))
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     fails = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
-    skipped = sum(str(t.user_attrs.get("failure", "")).startswith("constraints:") for t in fails)
+    skipped = sum(bool(t.user_attrs.get(_SKIPPED)) for t in fails)
     best = min(complete, key=lambda t: t.value, default=None)
     default_t = next((t.value for t in complete if t.params == default), None)
     return StudyResult(
