@@ -56,6 +56,7 @@ for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
              StoreKVPerTokenHeadSpec("fp8e5m2", 80, 96, "fp16"),
              StoreKVInt4Spec(32, 128, 128, "bf16"),
              StoreKVInt4Spec(16, 80, 64, "fp32"),
+             StoreKVInt4Spec(64, 576, 512, "fp16"),
              StoreKVInt4Spec(32, 81, 63, "bf16")):  # fmt: skip
     cache = {"int8": "*i8", "fp8e4m3": "*fp8e4nv", "fp8e5m2": "*fp8e5"}.get(
         getattr(spec, "fmt", ""), "*u8")  # fmt: skip

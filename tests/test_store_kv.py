@@ -208,3 +208,54 @@ def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program,
             "num_warps": 4, "num_stages": 1}  # fmt: skip
     monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
     _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
+
+
+def _ulp_step(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (positive, finite) moved k ulps in its own dtype."""
+    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    return (x.view(ints[x.dtype]) + k).view(x.dtype)
+
+
+@pytest.mark.parametrize("dt", ["bf16", "fp16", "fp32"])
+def test_int4_inputs_next_to_every_level_boundary(dt, device):
+    """|x| / scale rounds across a level boundary B_i where |x| crosses scale * M_i (M_i the
+    fp32 midpoint above B_i): in every group, the input values nearest to scale * M_i and one
+    and two ulps either side, both signs, -0 and 0, with groups of random scales (some below
+    the 1e-6 floor). The kernels compare |x| with per-group thresholds, the reference divides:
+    the codes must agree everywhere."""
+    from kvgen.families.per_token_head import int4_midpoints
+
+    spec = StoreKVInt4Spec(32, 128, 128, dt, ARCH, TARGET)
+    dtype = DTYPES[dt]
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads, groups = 24, 2, 4
+    rows = []
+    for _ in range(2 * tokens * heads * groups):
+        scale = float(torch.exp2(torch.empty(()).uniform_(-24 if dt == "fp16" else -30, 12,
+                                                          generator=gen)))  # fmt: skip
+        s = torch.tensor(scale).to(dtype)  # the group's peak, exactly representable
+        near = []
+        for m in int4_midpoints():
+            c = torch.tensor(float(s.double()) * m, dtype=torch.float64).to(dtype)
+            if c > 0 and torch.isfinite(c):
+                near += [_ulp_step(c, k) for k in (-2, -1, 0, 1, 2) if k >= 0 or c.view(
+                    torch.int16 if dtype != torch.float32 else torch.int32) > 2]  # fmt: skip
+        vals = torch.stack(near + [torch.tensor(0.0, dtype=dtype)] * 2).float()
+        pick = vals[torch.randint(0, vals.numel(), (31,), generator=gen)]
+        sign = torch.where(torch.rand(31, generator=gen) < 0.5, -1.0, 1.0)
+        group = torch.cat([s.float().reshape(1) * sign[0], pick * sign])
+        rows.append(group[torch.randperm(32, generator=gen)])
+    x = torch.stack(rows).view(2, tokens, heads, groups * 32).to(dtype)
+    key, value = x[0], x[1]
+    block_size = 16
+    num_blocks = -(-2 * tokens // block_size) + 1
+    caches = make_kv_caches(spec, num_blocks, block_size, heads, device, "nhd", False)
+    slots = make_slots(tokens, num_blocks * block_size, device, seed=3)
+    backings = {id(c.backing): c.backing for c in caches}
+    expected = {k: b.cpu().clone() for k, b in backings.items()}
+    views = [c.rebuild(expected[id(c.backing)]) for c in caches]
+    ref.store(key, value, *views, slots.cpu())
+    _op(spec)(key.to(device), value.to(device), *[c.view for c in caches], slots)
+    for k, b in backings.items():
+        got = b.cpu()
+        assert torch.equal(got, expected[k]), f"{int((got != expected[k]).sum())} bytes differ"

@@ -11,6 +11,23 @@ from kvgen.codegen.spec import ARCHS, TARGETS, VariantSpec, axis
 from kvgen.families.mxfp4_mla import FLOAT_DTYPES, TORCH_DTYPE
 from kvgen.formats.per_token_head import INT4_BOUNDARIES, INT4_CHANNELS
 
+# Archs whose PTX has packed bf16x2 compares and adds (set / add .bf16x2: sm_90 and up).
+PACKED_COMPARE_ARCHS = ("sm90", "sm100")
+
+
+def int4_midpoints() -> list[float]:
+    """M_i, exactly (as Python floats: 25 significant bits fit), halfway between each fp32
+    level boundary B_i and the next fp32 value up: RN_fp32(z) > B_i exactly when z > M_i (a
+    tie rounds to B_i's neighbour of even mantissa, but never occurs; see the template)."""
+    out = []
+    for b in INT4_BOUNDARIES:
+        bits = struct.unpack("<I", struct.pack("<f", b))[0]
+        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
+        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+        out.append((lo + hi) / 2)
+    return out
+
+
 FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
 # (head_size, head_size_v) pairs every variant list covers; other sizes generate on demand.
 HEAD_SIZES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512))
@@ -146,6 +163,10 @@ class StoreKVInt4Spec(VariantSpec):
         def groups(d: int) -> int:
             return -(-d // self.channels)
 
+        words = self.head_size % 2 == 0 and self.head_size_v % 2 == 0
+        fast = (self.target == "gpu" and self.arch in PACKED_COMPARE_ARCHS and words
+                and self.in_dtype in ("bf16", "fp16"))  # fmt: skip
+
         return {
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
             "groups": groups(self.head_size),
@@ -154,11 +175,15 @@ class StoreKVInt4Spec(VariantSpec):
             "k_pieces": pieces(groups(self.head_size), min_tile=1),
             "v_pieces": pieces(groups(self.head_size_v), min_tile=1),
             # even head sizes read words of two elements (see the template)
-            "words": self.head_size % 2 == 0 and self.head_size_v % 2 == 0,
+            "words": words,
             "packed": -(-self.head_size // 2),
             "packed_v": -(-self.head_size_v // 2),
             "min_scale": "1e-06",
             "boundaries": [repr(b) for b in INT4_BOUNDARIES],
+            "midpoints": [repr(m) for m in int4_midpoints()],
+            # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
+            "fast": fast,
+            "h2": {"bf16": "bf16x2", "fp16": "f16x2"}.get(self.in_dtype, ""),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
