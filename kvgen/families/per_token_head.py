@@ -184,6 +184,11 @@ class StoreKVInt4Spec(VariantSpec):
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
             "h2": {"bf16": "bf16x2", "fp16": "f16x2"}.get(self.in_dtype, ""),
+            # 128.0 (bf16) / 1024.0 (fp16): their ulp is 1, so bias + code keeps the code in
+            # the low bits; 8.0 is the sign's weight (both lanes of a word)
+            "h2_bias": {"bf16": "128.0", "fp16": "1024.0"}.get(self.in_dtype, ""),
+            "h2_bias_bits": {"bf16": "0x43004300", "fp16": "0x64006400"}.get(self.in_dtype, ""),
+            "h2_eight_bits": {"bf16": "0x41004100", "fp16": "0x48004800"}.get(self.in_dtype, ""),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
