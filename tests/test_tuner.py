@@ -321,3 +321,20 @@ def test_tuning_problems_check_candidates(family, device, local_target):
     other = {**default, next(iter(default)): 2}  # 2 rows or tokens per program
     assert n_sets >= 1 and check(default) and check(other)
     run(n_sets - 1, other)
+
+
+def test_incumbent_is_the_second_trial(override, storage):
+    """A re-tune (say after a kernel change) measures the tuned JSON's config for the bucket
+    right after the default, so the sampler cannot lose a winner it fails to revisit; with no
+    entry for the bucket only the default is queued."""
+    feasible = SPACE.feasible(SPEC, BUCKET)
+    incumbent = next(m for m in reversed(feasible) if m != SPEC.default_meta(**BUCKET))
+    _config(override, meta=incumbent, buckets=(65536,))
+    rec = Recorder()
+    tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=6)
+    assert rec.calls[0] == SPEC.default_meta(**BUCKET)
+    assert rec.calls[1] == incumbent
+    rec = Recorder()
+    tuner.run_study(SPEC, {"num_tokens": 4096}, SPACE, rec, storage=storage, n_trials=6)
+    assert rec.calls[1] != incumbent or rec.calls.count(incumbent) == 1  # sampled, not queued
+    assert tuner.incumbent(SPEC, {"num_tokens": 4096}) is None

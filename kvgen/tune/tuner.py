@@ -4,8 +4,10 @@ A trial picks meta-parameters from the template's search space; the static const
 checked before anything compiles; then ``evaluate(meta)`` compiles and runs the candidate,
 checks it against the reference and times it. A constraint violation, a compile error or a
 wrong result fails the trial, and a failed trial can never be the best. The template's default
-config is enqueued as the first trial of every study. Studies live in Optuna storage (by default
-a journal file on disk), so an interrupted run resumes where it stopped.
+config is enqueued as the first trial of every study, and the config the tuned JSON holds for
+the bucket (the incumbent, if any) as the second, so that a re-tune after a kernel change
+measures the old winner again instead of hoping the sampler finds it. Studies live in Optuna
+storage (by default a journal file on disk), so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -237,19 +239,32 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
         return study
     if not shared_by_hosts(storage):
         fail_running(study, "interrupted: its process died")
-    default = spec.default_meta(**bucket)
     done = study.get_trials(deepcopy=False)
-    # The default is the first trial (a grid visits it anyway, in its own order); not again on
-    # a resume, and not past the budget.
-    if (
-        sampler != "grid"
-        and space.allows(default)
-        and len(done) < budget(space, sampler, n_trials, spec, bucket)
-        and not any(t.params == default or t.system_attrs.get("fixed_params") == default
-                    for t in done)
-    ):  # fmt: skip
-        study.enqueue_trial(default, skip_if_exists=True)
+    # The default is the first trial and the incumbent the second (a grid visits both anyway,
+    # in its own order); not again on a resume, and not past the budget.
+    if sampler == "grid":
+        return study
+    queued = 0
+    for meta, first in ((spec.default_meta(**bucket), True), (incumbent(spec, bucket), False)):
+        if (
+            meta is not None
+            and space.allows(meta)
+            and (first or not space.violations(spec, meta, bucket))
+            and len(done) + queued < budget(space, sampler, n_trials, spec, bucket)
+            and not any(t.params == meta or t.system_attrs.get("fixed_params") == meta
+                        for t in done)
+        ):  # fmt: skip
+            study.enqueue_trial(meta, skip_if_exists=True)
+            queued += 1
     return study
+
+
+def incumbent(spec, bucket: dict[str, int]) -> dict[str, Any] | None:
+    """The meta-parameters the tuned JSON (the one the wrappers load) holds for exactly this
+    variant and bucket, or None."""
+    entries = configs.table(spec.arch, spec.family, os.environ.get(configs.OVERRIDE_ENV))
+    entry = entries.get(spec.name, {}).get(bucket_key(bucket))
+    return dict(entry["meta"]) if entry else None
 
 
 class WorkerFault(Exception):
