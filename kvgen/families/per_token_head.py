@@ -13,6 +13,15 @@ from kvgen.formats.per_token_head import INT4_BOUNDARIES, INT4_CHANNELS
 
 # Archs whose PTX has packed bf16x2 compares and adds (set / add .bf16x2: sm_90 and up).
 PACKED_COMPARE_ARCHS = ("sm90", "sm100")
+# Per input dtype, the packed type and, in both lanes of a word, the bias (128.0 / 1024.0:
+# their ulp is 1, so bias + code keeps the code in the low mantissa bits) and the sign's
+# weight 8.0, for the int4 template's packed count.
+PACKED_HALF = {
+    "bf16": {"h2": "bf16x2", "h2_bias": "128.0", "h2_bias_bits": "0x43004300",
+             "h2_eight_bits": "0x41004100"},
+    "fp16": {"h2": "f16x2", "h2_bias": "1024.0", "h2_bias_bits": "0x64006400",
+             "h2_eight_bits": "0x48004800"},
+}  # fmt: skip
 
 
 def int4_midpoints() -> list[float]:
@@ -165,7 +174,7 @@ class StoreKVInt4Spec(VariantSpec):
 
         words = self.head_size % 2 == 0 and self.head_size_v % 2 == 0
         fast = (self.target == "gpu" and self.arch in PACKED_COMPARE_ARCHS and words
-                and self.in_dtype in ("bf16", "fp16"))  # fmt: skip
+                and self.in_dtype in PACKED_HALF)  # fmt: skip
 
         return {
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
@@ -183,12 +192,7 @@ class StoreKVInt4Spec(VariantSpec):
             "midpoints": [repr(m) for m in int4_midpoints()],
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
-            "h2": {"bf16": "bf16x2", "fp16": "f16x2"}.get(self.in_dtype, ""),
-            # 128.0 (bf16) / 1024.0 (fp16): their ulp is 1, so bias + code keeps the code in
-            # the low bits; 8.0 is the sign's weight (both lanes of a word)
-            "h2_bias": {"bf16": "128.0", "fp16": "1024.0"}.get(self.in_dtype, ""),
-            "h2_bias_bits": {"bf16": "0x43004300", "fp16": "0x64006400"}.get(self.in_dtype, ""),
-            "h2_eight_bits": {"bf16": "0x41004100", "fp16": "0x48004800"}.get(self.in_dtype, ""),
+            **(PACKED_HALF[self.in_dtype] if fast else {}),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
