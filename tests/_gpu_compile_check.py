@@ -89,7 +89,8 @@ for spec in (
             types["q_desc"] = f"tensordesc<{spec.dtype}[{bh}, {chunk}]>"
             types["q_rope_desc"] = f"tensordesc<{spec.dtype}[{bh}, {rope}]>"
         compile_fn(spec.name, mod.split_kernel, types,
-                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2}
+                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2,
+                    "PAGE_AHEAD": bh == 16}
                    | ({} if spec.variant == "tma" else {"TILE_IN_PAGE": bh == 64}))  # fmt: skip
     compile_fn(spec.name, mod.combine_kernel,
                {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "num_splits_ptr": "*i32",

@@ -32,7 +32,7 @@ def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
     return q.to(device), k_cache.to(device), table.to(device), sl.to(device)
 
 
-def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None):
+def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, **meta_kw):
     meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
     if spec is None:
         out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
@@ -40,7 +40,7 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None):
         rows = q.shape[1] * q.shape[2]
         out, lse = load(spec).launch(q, k_cache, table, sl, meta, splits,
                                      scale or q.shape[-1] ** -0.5, causal,
-                                     **spec.default_meta(rows=rows))  # fmt: skip
+                                     **spec.default_meta(rows=rows) | meta_kw)  # fmt: skip
     ref_out, ref_lse = mla_decode(q.cpu(), k_cache.cpu(), table.cpu(), sl.cpu(), dv, scale, causal)
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
@@ -77,6 +77,18 @@ def test_tma_variant_takes_any_q_view(layout, device):
         wide[..., 8:584] = q
         q = wide[..., 8:584]
     _check(q, k, t, sl, 512, causal=True, spec=spec)
+
+
+WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
+
+
+@pytest.mark.parametrize("page_ahead", [0, 1])
+@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
+def test_page_lookup_a_tile_ahead(spec, page_ahead, device):
+    # Pages of 32 = two 16-key tiles; several sequences per scheduled part, lengths that end
+    # inside a tile, on a tile or page boundary, 0 and 1; table entries past a sequence are -7.
+    q, k, t, sl = _problem([70, 0, 1, 130, 32, 48], 32, 4, 1, 576, torch.bfloat16, device)
+    _check(q, k, t, sl, 512, spec=spec, block_n=16, page_ahead=page_ahead)
 
 
 @pytest.mark.parametrize("page", [1, 5, 64, 256])
@@ -135,7 +147,8 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     pick = lambda k, arch="sm90": _choose(MLADecodeSpec, 576, 512, "bf16", arch, "gpu", k, 16)  # noqa: E731
     assert pick(k).variant == "portable"  # not tuned: never chosen blind
     tma = MLADecodeSpec(576, 512, "bf16", "tma", "sm90", "gpu")
-    meta = {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_factor": 4}
+    meta = {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_factor": 4,
+            "page_ahead": 0}  # fmt: skip
     doc = {"schema_version": 1, "family": "mla_decode",
            "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x", "torch": "x",
                    "triton": "x"},

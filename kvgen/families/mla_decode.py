@@ -66,7 +66,8 @@ class MLADecodeSpec(VariantSpec):
         tile = block_n * self.head_dim * 2
         stages = 2 if 2 * tile <= ARCH_LIMITS[self.arch]["smem_bytes"] else 1
         return {"block_h": 16, "block_n": block_n, "num_warps": 4,
-                "num_stages": stages, "split_factor": 2 if rows <= 32 else 1}  # fmt: skip
+                "num_stages": stages, "split_factor": 2 if rows <= 32 else 1,
+                "page_ahead": 0}  # fmt: skip
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:
