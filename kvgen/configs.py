@@ -160,6 +160,9 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     except SpaceError as exc:
         _once(spec.name + "!", "kvgen: %s; using defaults for %s", exc, spec.name)
         return defaults
+    # A parameter added to the space after the tune takes the template's default (its value
+    # was the kernel's behaviour when the entry was measured).
+    meta = {k: meta.get(k, defaults.get(k)) for k in set(meta) | set(space.params)}
     if not space.allows(meta):
         _once(spec.name + "#", "kvgen: tuned entry %s [%s] = %s is outside the search space of "
               "%s; using the template's defaults", spec.name, key, meta, spec.template)  # fmt: skip
