@@ -10,6 +10,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
 from kvgen.families.mla_decode import MLADecodeSpec  # noqa: E402
@@ -20,18 +21,22 @@ PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 failures = 0
 
 
-def compile_fn(label, fn, types, constexprs, warps=4):
+def compile_fn(label, fn, types, constexprs, warps=4, aligned=()):
+    """``aligned``: arguments the launch specialises as multiples of 16 (pointers 16-byte
+    aligned, strides of 16 elements), as Triton does for such values."""
     global failures
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs={}),
+        source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+        kernel = triton.compile(source(fn, sig, constexprs=constexprs, attrs=attrs),
                                 target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": warps, "num_stages": 1})  # fmt: skip
         assert kernel.asm["cubin"]
         print(f"ok   {label} {constexprs}")
     except Exception as exc:  # report every kernel, then fail
         failures += 1
-        print(f"FAIL {label} {constexprs}: {str(exc)[:800]}")
+        print(f"FAIL {label} {constexprs}: {str(exc)[-800:]}")
 
 
 for spec in (
@@ -75,13 +80,22 @@ for spec in (
     MLADecodeSpec(288, 256, "fp16"),
     MLADecodeSpec(576, 512, "bf16", "tma"),
     MLADecodeSpec(512, 512, "fp16", "tma"),
+    MLADecodeSpec(576, 512, "bf16", "wgmma"),
+    MLADecodeSpec(512, 512, "fp16", "wgmma"),
+    MLADecodeSpec(288, 256, "bf16", "wgmma"),
 ):
     mod = load(spec)
     dt = PTR[spec.dtype]
     types = {"q_ptr": dt, "k_ptr": dt, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
              "meta_ptr": "*i32", "num_splits_ptr": "*i32", "o_acc_ptr": "*fp32",
              "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
-    for bh, bn in ((16, 32), (64, 64)):
+    if spec.variant == "wgmma":  # Gluon: two warpgroups, 64 rows, 16-64 keys a tile
+        for bn, bufs, in_page in ((64, 2, True), (32, 3, False), (16, 2, True)):
+            compile_fn(spec.name, mod.split_kernel, types,
+                       {"CAUSAL": bn == 32, "BLOCK_H": 64, "BLOCK_N": bn, "NUM_BUF": bufs,
+                        "TILE_IN_PAGE": in_page}, warps=8,
+                       aligned=("k_ptr", "stride_k_block", "stride_k_row"))  # fmt: skip
+    for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
         if spec.variant == "tma":
             chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v
             types["k_lat_desc"] = f"tensordesc<{spec.dtype}[{bn}, {chunk}]>"

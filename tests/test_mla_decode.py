@@ -82,6 +82,18 @@ def test_tma_variant_takes_any_q_view(layout, device):
 WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
 
 
+@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
+def test_garbage_past_the_sequence_never_reaches_the_output(spec, device):
+    # A page's rows past its sequence, and pages no sequence uses, may hold anything: NaN here.
+    q, k, t, sl = _problem([70, 0, 1, 130, 64], 64, 16, 1, 576, torch.bfloat16, device)
+    used = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool, device=device)
+    for b, n in enumerate(sl.tolist()):
+        for i in range(n):
+            used[t[b, i // 64], i % 64] = True
+    k[~used] = float("nan")
+    _check(q, k, t, sl, 512, spec=spec)
+
+
 @pytest.mark.parametrize("page_ahead", [0, 1])
 @pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
 def test_page_lookup_a_tile_ahead(spec, page_ahead, device):
@@ -177,4 +189,18 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
     configs.reset()
     assert pick(k).variant == "portable"
+    # The Gluon (wgmma) variant: where tuned fastest and cp.async's 16-byte pieces fit the cache.
+    wgmma = MLADecodeSpec(576, 512, "bf16", "wgmma", "sm90", "gpu")
+    wg_meta = wgmma.default_meta(rows=16)
+    doc["entries"][wgmma.name] = {"rows=16": {"meta": wg_meta, "time_us": 0.25,
+                                              "default_time_us": 0.3}}  # fmt: skip
+    (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert pick(k).variant == "wgmma"
+    assert pick(strided).variant == "wgmma"  # any row stride that keeps rows 16-byte aligned
+    assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "wgmma"  # any page
+    odd = torch.empty(8, 64, 1, 580, dtype=torch.bfloat16)[..., 1:577]
+    assert pick(odd).variant == "portable"  # rows 2 bytes off 16-byte alignment
+    assert pick(k, arch="sm80").variant == "portable"
+    assert _split_factor("sm90", "gpu", 16) == 1  # its split policy now
     configs.reset()

@@ -14,7 +14,10 @@ WIDTHS = ((576, 512), (512, 512), (288, 256))
 # tokens, and the decode kernels walk those blocks.
 SCHED_BLOCK = 64
 TMA_ARCHS = ("sm90", "sm100")
-VARIANTS = ("portable", "tma")  # tma: Hopper tensor descriptors, pipelined KV loop
+WGMMA_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone (sm100 has tcgen05 instead)
+# tma: Hopper tensor descriptors, pipelined KV loop. wgmma: a Gluon kernel, 64-row tiles split over
+# two warpgroups (GPU only: Gluon does not run in Triton's interpreter).
+VARIANTS = ("portable", "tma", "wgmma")
 
 
 def _pow2(v: int) -> bool:
@@ -40,6 +43,9 @@ class MLADecodeSpec(VariantSpec):
     def check_combination(self) -> None:
         if self.variant == "tma" and self.arch not in TMA_ARCHS:
             raise SpecError(f"{self.family}: the tma variant needs {TMA_ARCHS}, not {self.arch}")
+        if self.variant == "wgmma" and (self.arch not in WGMMA_ARCHS or self.target != "gpu"):
+            raise SpecError(f"{self.family}: the wgmma variant is a Gluon kernel for "
+                            f"{WGMMA_ARCHS} on the GPU, not {self.arch}/{self.target}")  # fmt: skip
         rope = self.head_dim - self.head_dim_v
         if not _pow2(self.head_dim_v) or rope < 0 or (rope and not _pow2(rope)):
             raise SpecError(
@@ -56,9 +62,14 @@ class MLADecodeSpec(VariantSpec):
             "sched_block": SCHED_BLOCK,
             "chunk": chunk,
             "nchunk": self.head_dim_v // chunk,
+            "gl_dtype": {"bf16": "bfloat16", "fp16": "float16"}[self.dtype],
+            "wgmma": self.variant == "wgmma",  # (the search space's constraints read it)
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
+        if self.variant == "wgmma":  # 64-row tiles over two warpgroups, two K tiles in flight
+            return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2,
+                    "split_factor": 1, "page_ahead": 0}  # fmt: skip
         # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
         # wgmma tiles spill; the tuner measures whether they pay off anyway).
         block_n = 32
@@ -76,5 +87,13 @@ def variants(arch: str, target: str) -> list[VariantSpec]:
         for d, dv in WIDTHS
         for dt in ("bf16", "fp16")
         for v in VARIANTS
-        if v == "portable" or arch in TMA_ARCHS
+        if _available(v, arch, target)
     ]
+
+
+def _available(variant: str, arch: str, target: str) -> bool:
+    if variant == "tma":
+        return arch in TMA_ARCHS
+    if variant == "wgmma":
+        return arch in WGMMA_ARCHS and target == "gpu"
+    return True

@@ -114,32 +114,39 @@ def _spec(cls, *fields):
 
 
 def _choose(cls, d, dv, dtype, arch, target, k, rows):
-    """The Hopper (tma) variant where it applies, has been tuned on this arch (tuning checks
-    every candidate against the reference on the GPU) and measured no slower than the portable
-    one; otherwise the portable one."""
-    from kvgen.families.mla_decode import TMA_ARCHS
+    """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
+    Hopper variant (tma, wgmma) only where it has been tuned on this arch (tuning checks every
+    candidate against the reference on the GPU); the portable one otherwise."""
+    from kvgen.families.mla_decode import TMA_ARCHS, WGMMA_ARCHS
 
     portable = _spec(cls, d, dv, dtype, "portable", arch, target)
-    if arch not in TMA_ARCHS:
-        return portable
-    tma = _spec(cls, d, dv, dtype, "tma", arch, target)
-    block_n = runtime.meta_params(tma, rows=rows)["block_n"]
-    rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
+    others = []
     aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
-    if k.shape[1] % block_n or not rows_contiguous or not aligned:
-        return portable
-    return _tuned_winner(portable, tma, rows)
+    if arch in TMA_ARCHS:
+        tma = _spec(cls, d, dv, dtype, "tma", arch, target)
+        block_n = runtime.meta_params(tma, rows=rows)["block_n"]
+        rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
+        if k.shape[1] % block_n == 0 and rows_contiguous and aligned:
+            others.append(tma)
+    # wgmma: cp.async copies 16-byte pieces, which needs the cache's pointer 16-byte aligned and
+    # its strides multiples of 16 elements (what Triton specialises a launch on).
+    if (arch in WGMMA_ARCHS and target == "gpu" and k.data_ptr() % 16 == 0
+            and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0):  # fmt: skip
+        others.append(_spec(cls, d, dv, dtype, "wgmma", arch, target))
+    return _tuned_winner(portable, others, rows)
 
 
-def _tuned_winner(portable, tma, rows):
-    """tma if tuning measured it at ``rows`` and no slower than the portable variant."""
+def _tuned_winner(portable, others, rows):
+    """The fastest of ``others`` that tuning measured at ``rows`` if no slower than the portable
+    variant (untuned counts as slower); else the portable one."""
     from kvgen import configs
 
-    t_tma = configs.tuned_time(tma, rows=rows)
-    t_portable = configs.tuned_time(portable, rows=rows)
-    if t_tma is None or (t_portable is not None and t_portable < t_tma):
-        return portable
-    return tma
+    best, t_best = portable, configs.tuned_time(portable, rows=rows)
+    for spec in others:
+        t = configs.tuned_time(spec, rows=rows)
+        if t is not None and (t_best is None or t <= t_best):
+            best, t_best = spec, t
+    return best
 
 
 def split_factor(device: torch.device, rows: int) -> int:
@@ -156,10 +163,13 @@ def split_factor(device: torch.device, rows: int) -> int:
 
 
 def _split_factor(arch, target, rows):
-    from kvgen.families.mla_decode import TMA_ARCHS
+    from kvgen.families.mla_decode import TMA_ARCHS, WGMMA_ARCHS
 
-    best = _spec(MLADecodeSpec, 576, 512, "bf16", "portable", arch, target)
-    if arch in TMA_ARCHS:
-        best = _tuned_winner(best, _spec(MLADecodeSpec, 576, 512, "bf16", "tma", arch, target),
-                             rows)  # fmt: skip
+    def spec(variant):
+        return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
+
+    others = [spec("tma")] if arch in TMA_ARCHS else []
+    if arch in WGMMA_ARCHS and target == "gpu":
+        others.append(spec("wgmma"))
+    best = _tuned_winner(spec("portable"), others, rows)
     return runtime.meta_params(best, rows=rows)["split_factor"]
