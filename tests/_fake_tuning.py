@@ -4,7 +4,10 @@ Workers import it as ``_fake_tuning:evaluator`` (the tests put this folder on PY
 Environment knobs: KVGEN_FAKE_LOG (a file: every evaluation appends "pid params" to it),
 KVGEN_FAKE_SLEEP (seconds per trial), KVGEN_FAKE_DIE_AT (a trial count: the worker whose
 evaluation brings the log to that many lines kills itself with SIGKILL mid-trial, once),
-KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives).
+KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives),
+KVGEN_FAKE_WORKERS (a count: a worker's first evaluation waits, up to a minute, until that many
+worker processes have reached theirs, so that a test of several workers never sees one worker do
+all the trials while another is still starting).
 """
 
 import fcntl
@@ -25,13 +28,36 @@ def cost(meta):
     )
 
 
+def _wait_for_workers(log: str, count: int, timeout: float = 60.0) -> None:
+    """Register this process in ``log``.workers, then wait for ``count`` distinct ones."""
+    path = log + ".workers"
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"{os.getpid()}\n")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            if len(set(f.read().split())) >= count:
+                return
+        time.sleep(0.05)
+
+
+_started = False
+
+
 def evaluator(spec, bucket):
     log = os.environ.get("KVGEN_FAKE_LOG")
     sleep = float(os.environ.get("KVGEN_FAKE_SLEEP", "0"))
     die_at = int(os.environ.get("KVGEN_FAKE_DIE_AT", "0"))
     fault_at = int(os.environ.get("KVGEN_FAKE_FAULT_AT", "0"))
 
+    workers = int(os.environ.get("KVGEN_FAKE_WORKERS", "0"))
+
     def evaluate(meta):
+        global _started
+        if workers and log and not _started:
+            _started = True
+            _wait_for_workers(log, workers)
         if log:
             with open(log, "a+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)

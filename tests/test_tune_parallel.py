@@ -266,6 +266,9 @@ def two_fake_gpus(tmp_path, monkeypatch):
     for k, v in _env(tmp_path / "evals.log", sleep=0.01).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+    # Both workers take part whatever their start-up times (a loaded machine once let the first
+    # worker run every trial before the second had imported torch).
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "2")
 
 
 def _kvgen(*args):
