@@ -41,11 +41,10 @@ class MLADecodeSpec(VariantSpec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def check_combination(self) -> None:
-        if self.variant == "tma" and self.arch not in TMA_ARCHS:
-            raise SpecError(f"{self.family}: the tma variant needs {TMA_ARCHS}, not {self.arch}")
-        if self.variant == "wgmma" and (self.arch not in WGMMA_ARCHS or self.target != "gpu"):
-            raise SpecError(f"{self.family}: the wgmma variant is a Gluon kernel for "
-                            f"{WGMMA_ARCHS} on the GPU, not {self.arch}/{self.target}")  # fmt: skip
+        if not available(self.variant, self.arch, self.target):
+            where = {"tma": f"{TMA_ARCHS}", "wgmma": f"{WGMMA_ARCHS} on the GPU (Gluon)"}
+            raise SpecError(f"{self.family}: the {self.variant} variant needs "
+                            f"{where[self.variant]}, not {self.arch}/{self.target}")  # fmt: skip
         rope = self.head_dim - self.head_dim_v
         if not _pow2(self.head_dim_v) or rope < 0 or (rope and not _pow2(rope)):
             raise SpecError(
@@ -87,11 +86,12 @@ def variants(arch: str, target: str) -> list[VariantSpec]:
         for d, dv in WIDTHS
         for dt in ("bf16", "fp16")
         for v in VARIANTS
-        if _available(v, arch, target)
+        if available(v, arch, target)
     ]
 
 
-def _available(variant: str, arch: str, target: str) -> bool:
+def available(variant: str, arch: str, target: str) -> bool:
+    """Whether ``variant`` exists for this arch and target (portable: everywhere)."""
     if variant == "tma":
         return arch in TMA_ARCHS
     if variant == "wgmma":

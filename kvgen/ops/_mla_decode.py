@@ -117,20 +117,20 @@ def _choose(cls, d, dv, dtype, arch, target, k, rows):
     """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
     Hopper variant (tma, wgmma) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU); the portable one otherwise."""
-    from kvgen.families.mla_decode import TMA_ARCHS, WGMMA_ARCHS
+    from kvgen.families.mla_decode import available
 
     portable = _spec(cls, d, dv, dtype, "portable", arch, target)
     others = []
-    aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
-    if arch in TMA_ARCHS:
+    if available("tma", arch, target):
         tma = _spec(cls, d, dv, dtype, "tma", arch, target)
         block_n = runtime.meta_params(tma, rows=rows)["block_n"]
         rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
+        aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
         if k.shape[1] % block_n == 0 and rows_contiguous and aligned:
             others.append(tma)
     # wgmma: cp.async copies 16-byte pieces, which needs the cache's pointer 16-byte aligned and
     # its strides multiples of 16 elements (what Triton specialises a launch on).
-    if (arch in WGMMA_ARCHS and target == "gpu" and k.data_ptr() % 16 == 0
+    if (available("wgmma", arch, target) and k.data_ptr() % 16 == 0
             and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0):  # fmt: skip
         others.append(_spec(cls, d, dv, dtype, "wgmma", arch, target))
     return _tuned_winner(portable, others, rows)
@@ -163,13 +163,11 @@ def split_factor(device: torch.device, rows: int) -> int:
 
 
 def _split_factor(arch, target, rows):
-    from kvgen.families.mla_decode import TMA_ARCHS, WGMMA_ARCHS
+    from kvgen.families.mla_decode import available
 
     def spec(variant):
         return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
-    others = [spec("tma")] if arch in TMA_ARCHS else []
-    if arch in WGMMA_ARCHS and target == "gpu":
-        others.append(spec("wgmma"))
+    others = [spec(v) for v in ("tma", "wgmma") if available(v, arch, target)]
     best = _tuned_winner(spec("portable"), others, rows)
     return runtime.meta_params(best, rows=rows)["split_factor"]
