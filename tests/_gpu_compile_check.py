@@ -88,7 +88,8 @@ for spec in (
     dt = PTR[spec.dtype]
     types = {"q_ptr": dt, "k_ptr": dt, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
              "meta_ptr": "*i32", "num_splits_ptr": "*i32", "o_acc_ptr": "*fp32",
-             "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}  # fmt: skip
+             "lse_acc_ptr": "*fp32", "out_ptr": dt, "lse_ptr": "*fp32",
+             "scale_log2": "fp32"}  # fmt: skip
     if spec.variant == "wgmma":  # Gluon: two warpgroups, 64 rows, 16-64 keys a tile
         for bn, bufs, in_page in ((64, 2, True), (32, 3, False), (16, 2, True)):
             compile_fn(spec.name, mod.split_kernel, types,

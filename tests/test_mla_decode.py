@@ -9,6 +9,7 @@ from kvgen import registry
 from kvgen.codegen import load
 from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
+from kvgen.ops._mla_metadata import schedule
 from kvgen.runtime import local_target
 
 ARCH, TARGET = local_target()
@@ -32,8 +33,11 @@ def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
     return q.to(device), k_cache.to(device), table.to(device), sl.to(device)
 
 
-def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, **meta_kw):
+def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, policy=None,
+           **meta_kw):  # fmt: skip
     meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
+    if policy is not None:  # the same parts, sequences split (partial results) or kept whole
+        meta, splits = schedule(sl, meta.shape[0], policy)
     if spec is None:
         out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
     else:  # a given variant, through its generated launcher
@@ -54,11 +58,14 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, **met
     assert err.numel() == 0 or float(err.max()) < 1e-3
 
 
+@pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
-def test_variant_unequal_lengths(spec, device):
+def test_variant_unequal_lengths(spec, policy, device):
+    # "split": every sequence longer than a block is cut (partial results, combined);
+    # "whole": none is (the split kernel writes out and lse itself, the combine skips them).
     page = 64 if spec.variant == "tma" else 16  # tma tiles never cross a page
     q, k, t, sl = _problem([70, 0, 1, 130], page, 4, 2, spec.head_dim, DTYPES[spec.dtype], device)
-    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec)
+    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy)
 
 
 @pytest.mark.parametrize("layout", ["offset", "strided"])
@@ -82,8 +89,9 @@ def test_tma_variant_takes_any_q_view(layout, device):
 WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
 
 
+@pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
-def test_garbage_past_the_sequence_never_reaches_the_output(spec, device):
+def test_garbage_past_the_sequence_never_reaches_the_output(spec, policy, device):
     # A page's rows past its sequence, and pages no sequence uses, may hold anything: NaN here.
     q, k, t, sl = _problem([70, 0, 1, 130, 64], 64, 16, 1, 576, torch.bfloat16, device)
     used = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool, device=device)
@@ -91,7 +99,7 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, device):
         for i in range(n):
             used[t[b, i // 64], i % 64] = True
     k[~used] = float("nan")
-    _check(q, k, t, sl, 512, spec=spec)
+    _check(q, k, t, sl, 512, spec=spec, policy=policy)
 
 
 # (the wgmma variant has no such choice: it runs with 0 only)

@@ -7,7 +7,7 @@ import torch
 
 from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import get_mla_metadata
-from kvgen.ops._mla_metadata import BLOCK_N, schedule
+from kvgen.ops._mla_metadata import BLOCK_N, FIXED_COST, schedule
 
 
 def _paged(seqlens, page=16, d=64, seed=0, shuffle=True):
@@ -71,8 +71,9 @@ def test_empty_sequences_and_causal_rows():
         ([], 4),
     ],
 )
-def test_schedule_covers_every_block_once_and_balances(seqlens, parts):
-    meta, num_splits = schedule(torch.tensor(seqlens, dtype=torch.int32), parts)
+@pytest.mark.parametrize("policy", ["auto", "split", "whole"])
+def test_schedule_covers_every_block_once_and_balances(seqlens, parts, policy):
+    meta, num_splits = schedule(torch.tensor(seqlens, dtype=torch.int32), parts, policy)
     batch = len(seqlens)
     blocks = [-(-n // BLOCK_N) for n in seqlens]
     assert meta.shape == (parts, 8) and meta.dtype == torch.int32
@@ -94,9 +95,32 @@ def test_schedule_covers_every_block_once_and_balances(seqlens, parts):
     assert all(c == 1 for c in covered.values()), "a KV block is missed or done twice"
     for b in range(batch):
         assert sorted(used_splits[b]) == list(range(num_splits[b], num_splits[b + 1]))
+    units = [-(-n // BLOCK_N) + FIXED_COST for n in seqlens]
+    assert int(meta[:, 5].sum()) == sum(units)
+    if policy == "whole":
+        assert num_splits.tolist() == list(range(batch + 1)), "no sequence is split"
     busy = meta[:, 5][meta[:, 5] > 0]
-    if busy.numel():
+    if policy == "split" and busy.numel():
         assert (busy[:-1] == busy.max()).all(), "parts other than the last carry equal work"
+    if policy == "auto" and busy.numel():
+        even = -(-sum(units) // parts)
+        assert int(busy.max()) <= even + FIXED_COST, "no part carries much more than its share"
+
+
+@pytest.mark.parametrize(
+    "seqlens,parts,whole",
+    [
+        ([4096] * 128, 66, True),  # 128 heads on 132 SMs: two sequences a part, nothing to merge
+        ([4096] * 128, 132, True),  # 32 or 64 heads: a sequence a part (4 parts idle)
+        ([4096] * 128, 264, False),  # two parts a sequence balance better than one
+        ([1, 16384, 0, 300, 77, 5000], 7, False),  # the long sequence must be cut
+    ],
+)
+def test_schedule_keeps_sequences_whole_where_that_costs_little(seqlens, parts, whole):
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    meta, num_splits = schedule(sl, parts)
+    ref = schedule(sl, parts, "whole" if whole else "split")
+    assert torch.equal(meta, ref[0]) and torch.equal(num_splits, ref[1])
 
 
 def test_get_mla_metadata_arguments():

@@ -14,7 +14,10 @@ head group). Row p of ``tile_scheduler_metadata`` ([num_sm_parts, 8] int32) desc
 A part whose range is empty (more parts than work) has begin_batch = batch and end_batch =
 batch - 1, so that a loop ``for b in range(begin_batch, end_batch + 1)`` does nothing.
 ``num_splits`` ([batch + 1] int32) is the prefix sum of the number of pieces each sequence is
-cut into: sequence b's partial results are ``num_splits[b] .. num_splits[b + 1] - 1``.
+cut into: sequence b's partial results are ``num_splits[b] .. num_splits[b + 1] - 1``. A
+sequence in one piece has no partial result: the decode writes its output directly and the
+combine step skips it. Where little balance is lost, whole sequences are given to the parts
+(``schedule``'s policy), so that a batch of similar lengths needs no combining at all.
 """
 
 from __future__ import annotations
@@ -37,8 +40,21 @@ def num_sm_parts(
     return max(1, num_sms * split_factor // (num_heads_k * head_tiles))
 
 
-def schedule(cache_seqlens: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The schedule as torch ops on ``cache_seqlens``'s device (no host round trip)."""
+def schedule(
+    cache_seqlens: torch.Tensor, parts: int, policy: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule as torch ops on ``cache_seqlens``'s device (no host round trip).
+
+    ``policy``: "split" cuts the units into equal ranges, splitting sequences where the cuts
+    fall; "whole" gives every sequence whole to the part its first unit falls in (no
+    sequence is split, so the decode writes every result directly and the combine step has
+    nothing to merge); "auto" (what ``get_mla_metadata`` uses) takes "whole" where no part
+    then carries more than ``ceil(total / parts) + FIXED_COST`` units (the imbalance costs
+    less than the splits it saves, e.g. a batch of equal lengths with about as many sequences
+    as parts), "split" otherwise. The choice is made on the device too.
+    """
+    if policy not in ("auto", "split", "whole"):
+        raise ValueError(f"policy must be 'auto', 'split' or 'whole', not {policy!r}")
     dev = cache_seqlens.device
     seqlens = cache_seqlens.to(torch.int64)
     batch = seqlens.shape[0]
@@ -83,7 +99,26 @@ def schedule(cache_seqlens: torch.Tensor, parts: int) -> tuple[torch.Tensor, tor
     meta[:, 3] = torch.where(empty, 0, end_blk).to(torch.int32)
     meta[:, 4] = begin_split.to(torch.int32)
     meta[:, 5] = (hi - lo).clamp(min=0).to(torch.int32)
-    return meta, num_splits.to(torch.int32)
+    if policy == "split" or batch == 0:
+        return meta, num_splits.to(torch.int32)
+
+    # Whole sequences: sequence b goes to the part its first unit falls in.
+    owner = start // per_part  # non-decreasing, < parts
+    load = torch.zeros(parts, dtype=torch.int64, device=dev).scatter_add_(0, owner, cost)
+    first = torch.searchsorted(owner, p)  # the part's sequences are [first, last]
+    last = torch.searchsorted(owner, p, right=True) - 1
+    idle = last < first
+    whole = torch.zeros_like(meta)
+    whole[:, 0] = torch.where(idle, batch, first).to(torch.int32)
+    whole[:, 2] = torch.where(idle, batch - 1, last).to(torch.int32)
+    whole[:, 3] = torch.where(idle, 0, blocks[last.clamp(min=0)]).to(torch.int32)
+    whole[:, 5] = load.to(torch.int32)
+    one_each = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    if policy == "whole":
+        return whole, one_each
+    take = load.max() <= per_part[0] + FIXED_COST  # a device bool: no sync
+    return (torch.where(take, whole, meta),
+            torch.where(take, one_each, num_splits.to(torch.int32)))  # fmt: skip
 
 
 def get_mla_metadata(
