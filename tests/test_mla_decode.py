@@ -58,14 +58,27 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
     assert err.numel() == 0 or float(err.max()) < 1e-3
 
 
+def _kernels(specs):
+    """Each variant with each of its kernels: the wgmma variant has two (roles 0 and 1)."""
+    return [(s, {"roles": r}) for s in specs for r in ((0, 1) if s.variant == "wgmma" else (None,))]
+
+
+def _kid(x):
+    return getattr(x, "name", None) or ",".join(f"{k}{v}" for k, v in x.items() if v is not None)
+
+
 @pytest.mark.parametrize("policy", ["split", "whole"])
-@pytest.mark.parametrize("spec", VARIANTS, ids=lambda s: s.name)
-def test_variant_unequal_lengths(spec, policy, device):
+@pytest.mark.parametrize("spec,kernel", _kernels(VARIANTS), ids=_kid)
+def test_variant_unequal_lengths(spec, kernel, policy, device):
     # "split": every sequence longer than a block is cut (partial results, combined);
     # "whole": none is (the split kernel writes out and lse itself, the combine skips them).
     page = 64 if spec.variant == "tma" else 16  # tma tiles never cross a page
     q, k, t, sl = _problem([70, 0, 1, 130], page, 4, 2, spec.head_dim, DTYPES[spec.dtype], device)
-    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy)
+    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, **_given(kernel))
+
+
+def _given(kernel):
+    return {k: v for k, v in kernel.items() if v is not None}
 
 
 @pytest.mark.parametrize("layout", ["offset", "strided"])
@@ -90,8 +103,8 @@ WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
 
 
 @pytest.mark.parametrize("policy", ["split", "whole"])
-@pytest.mark.parametrize("spec", WIDE, ids=lambda s: s.name)
-def test_garbage_past_the_sequence_never_reaches_the_output(spec, policy, device):
+@pytest.mark.parametrize("spec,kernel", _kernels(WIDE), ids=_kid)
+def test_garbage_past_the_sequence_never_reaches_the_output(spec, kernel, policy, device):
     # A page's rows past its sequence, and pages no sequence uses, may hold anything: NaN here.
     q, k, t, sl = _problem([70, 0, 1, 130, 64], 64, 16, 1, 576, torch.bfloat16, device)
     used = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool, device=device)
@@ -99,19 +112,20 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, policy, device
         for i in range(n):
             used[t[b, i // 64], i % 64] = True
     k[~used] = float("nan")
-    _check(q, k, t, sl, 512, spec=spec, policy=policy)
+    _check(q, k, t, sl, 512, spec=spec, policy=policy, **_given(kernel))
 
 
-# (the wgmma variant has no such choice: it runs with 0 only)
-AHEAD = [(s, a) for s in WIDE for a in ((0,) if s.variant == "wgmma" else (0, 1))]
+# (the wgmma variant has no page_ahead choice: its own choice, roles, instead)
+AHEAD = [(s, {"roles": r}) for s in WIDE if s.variant == "wgmma" for r in (0, 1)] + [
+    (s, {"page_ahead": a}) for s in WIDE if s.variant != "wgmma" for a in (0, 1)]  # fmt: skip
 
 
-@pytest.mark.parametrize("spec,page_ahead", AHEAD, ids=lambda x: getattr(x, "name", f"ahead{x}"))
-def test_page_lookup_a_tile_ahead(spec, page_ahead, device):
+@pytest.mark.parametrize("spec,kernel", AHEAD, ids=_kid)
+def test_page_lookup_a_tile_ahead(spec, kernel, device):
     # Pages of 32 = two 16-key tiles; several sequences per scheduled part, lengths that end
     # inside a tile, on a tile or page boundary, 0 and 1; table entries past a sequence are -7.
     q, k, t, sl = _problem([70, 0, 1, 130, 32, 48], 32, 4, 1, 576, torch.bfloat16, device)
-    _check(q, k, t, sl, 512, spec=spec, block_n=16, page_ahead=page_ahead)
+    _check(q, k, t, sl, 512, spec=spec, block_n=16, **kernel)
 
 
 @pytest.mark.parametrize("page", [1, 5, 64, 256])
@@ -187,7 +201,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     assert _split_factor("sm90", "gpu", 16) == 4
     assert _split_factor("sm90", "gpu", 128) == 4  # nearest bucket
     assert _split_factor("sm80", "gpu", 16) == 2  # nothing tuned for sm80
-    assert configs.meta_params(tma, rows=16) == meta | {"page_ahead": 0}
+    assert configs.meta_params(tma, rows=16) == meta | {"page_ahead": 0, "roles": 0}
     assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "portable"  # page
     assert pick(k[:, :, :, :]).variant == "tma"
     strided = torch.empty(8, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]
