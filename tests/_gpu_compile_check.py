@@ -21,7 +21,7 @@ PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 failures = 0
 
 
-def compile_fn(label, fn, types, constexprs, warps=4, aligned=()):
+def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
     """``aligned``: arguments the launch specialises as multiples of 16 (pointers 16-byte
     aligned, strides of 16 elements), as Triton does for such values."""
     global failures
@@ -29,9 +29,11 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=()):
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     try:
         source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
-        kernel = triton.compile(source(fn, sig, constexprs=constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": warps, "num_stages": 1})  # fmt: skip
+        kernel = triton.compile(
+            source(fn, sig, constexprs=constexprs, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": warps, "num_stages": 1, **options},
+        )
         assert kernel.asm["cubin"]
         print(f"ok   {label} {constexprs}")
     except Exception as exc:  # report every kernel, then fail
@@ -96,6 +98,13 @@ for spec in (
                        {"CAUSAL": bn == 32, "BLOCK_H": 64, "BLOCK_N": bn, "NUM_BUF": bufs,
                         "TILE_IN_PAGE": in_page}, warps=8,
                        aligned=("k_ptr", "stride_k_block", "stride_k_row"))  # fmt: skip
+        # roles=1: three 4-warp partitions (warp_specialize), registers set per partition
+        for bn, bufs, in_page in ((64, 2, True), (32, 4, False)):
+            compile_fn(spec.name + " roles", mod.split_kernel_roles, types,
+                       {"CAUSAL": bn == 32, "BLOCK_N": bn, "NUM_BUF": bufs,
+                        "TILE_IN_PAGE": in_page}, warps=4, maxnreg=mod.ROLES_MAXNREG,
+                       aligned=("k_ptr", "stride_k_block", "stride_k_row", "q_ptr",
+                                "stride_q_batch", "stride_q_row"))  # fmt: skip
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
         if spec.variant == "tma":
             chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v

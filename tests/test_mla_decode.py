@@ -67,6 +67,10 @@ def _kid(x):
     return getattr(x, "name", None) or ",".join(f"{k}{v}" for k, v in x.items() if v is not None)
 
 
+def _given(kernel):
+    return {k: v for k, v in kernel.items() if v is not None}
+
+
 @pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("spec,kernel", _kernels(VARIANTS), ids=_kid)
 def test_variant_unequal_lengths(spec, kernel, policy, device):
@@ -77,15 +81,16 @@ def test_variant_unequal_lengths(spec, kernel, policy, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, **_given(kernel))
 
 
-def _given(kernel):
-    return {k: v for k, v in kernel.items() if v is not None}
+Q_READERS = [(s, kw) for s, kw in _kernels(VARIANTS) if s.head_dim == 576 and s.dtype == "bf16"
+             and (s.variant == "tma" or kw.get("roles"))]  # fmt: skip
 
 
+@pytest.mark.parametrize("spec,kernel", Q_READERS, ids=_kid)
 @pytest.mark.parametrize("layout", ["offset", "strided"])
-def test_tma_variant_takes_any_q_view(layout, device):
-    """The Hopper variant reads Q through TMA descriptors (16-byte aligned rows): a Q that
-    starts 2 bytes into its storage, or whose rows are strided, gives the same result."""
-    spec = next(s for s in VARIANTS if s.variant == "tma" and s.head_dim == 576)
+def test_hopper_kernels_take_any_q_view(spec, kernel, layout, device):
+    """The tma variant reads Q through TMA descriptors, the wgmma variant's roles=1 kernel by
+    cp.async (both want 16-byte aligned rows): a Q that starts 2 bytes into its storage, or
+    whose rows are strided, gives the same result."""
     q, k, t, sl = _problem([70, 0, 130], 64, 3, 2, 576, torch.bfloat16, device, seed=9)
     if layout == "offset":
         flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
@@ -96,7 +101,7 @@ def test_tma_variant_takes_any_q_view(layout, device):
         wide = torch.zeros(*q.shape[:3], 600, dtype=q.dtype, device=device)
         wide[..., 8:584] = q
         q = wide[..., 8:584]
-    _check(q, k, t, sl, 512, causal=True, spec=spec)
+    _check(q, k, t, sl, 512, causal=True, spec=spec, **_given(kernel))
 
 
 WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
