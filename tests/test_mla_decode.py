@@ -180,7 +180,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
 
     from kvgen import configs
     from kvgen.families.mla_decode import MLADecodeSpec
-    from kvgen.ops._mla_decode import _choose, _split_factor
+    from kvgen.ops._mla_decode import _choose, _split_factor, _winner, schedule_policy
 
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
     monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
@@ -233,4 +233,8 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     assert pick(odd).variant == "portable"  # rows 2 bytes off 16-byte alignment
     assert pick(k, arch="sm80").variant == "portable"
     assert _split_factor("sm90", "gpu", 16) == 1  # its split policy now
+    # and whole sequences where that costs little: its split kernel writes them out itself
+    assert schedule_policy(_winner("sm90", "gpu", 16).variant) == "auto"
+    assert schedule_policy(_winner("sm90", "gpu", 128).variant) == "auto"
+    assert schedule_policy(_winner("sm80", "gpu", 16).variant) == "split"
     configs.reset()

@@ -149,25 +149,38 @@ def _tuned_winner(portable, others, rows):
     return best
 
 
-def split_factor(device: torch.device, rows: int) -> int:
+def split_policy(device: torch.device, rows: int) -> tuple[int, str]:
     """The split policy ``get_mla_metadata`` uses: the tuned ``split_factor`` of the 576/512
     bf16 decode (DeepSeek's shape) for this arch and ``rows`` = seq_len_q * num_heads_q, from
-    the variant tuning measured fastest there; the template default if none is tuned. The
-    metadata does not know the cache's width or dtype, so this one policy serves them all: it
-    affects only the speed, never the result."""
+    the variant tuning measured fastest there (the template default if none is tuned), and the
+    schedule's policy for that variant (``schedule_policy``). The metadata does not know the
+    cache's width or dtype, so this one policy serves them all: it affects only the speed,
+    never the result (every variant is right under every schedule)."""
     try:
         arch, target = runtime.target_of(device)
     except ValueError:  # a CPU schedule without the interpreter: the schedule is plain torch
         arch, target = runtime.INTERPRETER_ARCH, "interp"
-    return _split_factor(arch, target, rows)
+    best = _winner(arch, target, rows)
+    return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)
+
+
+def schedule_policy(variant: str) -> str:
+    """``schedule``'s policy for a variant: "auto" (whole sequences where that costs little) for
+    the wgmma variant, whose split kernel writes a whole sequence's output itself; "split" for
+    the others, which always write partial results (the combine kernel merges or copies them),
+    so that whole sequences would only cost balance."""
+    return "auto" if variant == "wgmma" else "split"
 
 
 def _split_factor(arch, target, rows):
+    return runtime.meta_params(_winner(arch, target, rows), rows=rows)["split_factor"]
+
+
+def _winner(arch, target, rows):
     from kvgen.families.mla_decode import available
 
     def spec(variant):
         return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
     others = [spec(v) for v in ("tma", "wgmma") if available(v, arch, target)]
-    best = _tuned_winner(spec("portable"), others, rows)
-    return runtime.meta_params(best, rows=rows)["split_factor"]
+    return _tuned_winner(spec("portable"), others, rows)

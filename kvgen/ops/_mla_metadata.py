@@ -16,8 +16,10 @@ batch - 1, so that a loop ``for b in range(begin_batch, end_batch + 1)`` does no
 ``num_splits`` ([batch + 1] int32) is the prefix sum of the number of pieces each sequence is
 cut into: sequence b's partial results are ``num_splits[b] .. num_splits[b + 1] - 1``. A
 sequence in one piece has no partial result: the decode writes its output directly and the
-combine step skips it. Where little balance is lost, whole sequences are given to the parts
-(``schedule``'s policy), so that a batch of similar lengths needs no combining at all.
+combine step skips it (the wgmma variant; the others write a partial result for it, which the
+combine copies). Where little balance is lost, whole sequences are given to the parts
+(``schedule``'s "auto" policy, used for the wgmma variant), so that a batch of similar lengths
+needs no combining at all.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ def schedule(
 
     ``policy``: "split" cuts the units into equal ranges, splitting sequences where the cuts
     fall; "whole" gives every sequence whole to the part its first unit falls in (no
-    sequence is split, so the decode writes every result directly and the combine step has
-    nothing to merge); "auto" (what ``get_mla_metadata`` uses) takes "whole" where no part
-    then carries more than ``ceil(total / parts) + FIXED_COST`` units (the imbalance costs
-    less than the splits it saves, e.g. a batch of equal lengths with about as many sequences
-    as parts), "split" otherwise. The choice is made on the device too.
+    sequence is split: the wgmma variant writes every result directly and the combine step has
+    nothing to merge); "auto" (``get_mla_metadata``'s for the wgmma variant) takes "whole"
+    where no part then carries more than ``ceil(total / parts) + FIXED_COST`` units (the
+    imbalance costs less than the splits it saves, e.g. a batch of equal lengths with about as
+    many sequences as parts), "split" otherwise. The choice is made on the device too.
     """
     if policy not in ("auto", "split", "whole"):
         raise ValueError(f"policy must be 'auto', 'split' or 'whole', not {policy!r}")
@@ -143,11 +145,12 @@ def get_mla_metadata(
         check.int_arg(name, v)
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
-    from kvgen.ops._mla_decode import split_factor
+    from kvgen.ops._mla_decode import split_policy
 
     if seqlens.device.type == "cuda":
         sms = torch.cuda.get_device_properties(seqlens.device).multi_processor_count
     else:
         sms = 8  # the interpreter: a few work units are enough to exercise splitting
-    split = split_factor(seqlens.device, num_heads_per_head_k)
-    return schedule(seqlens, num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split))
+    split, policy = split_policy(seqlens.device, num_heads_per_head_k)
+    parts = num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split)
+    return schedule(seqlens, parts, policy)

@@ -99,6 +99,7 @@ def _mla_decode(spec, bucket, device):
     ``split_factor`` asks for (outside the timed graph)."""
     from kvgen.bench import decode
     from kvgen.formats.mla_decode import mla_decode
+    from kvgen.ops._mla_decode import schedule_policy
     from kvgen.ops._mla_metadata import num_sm_parts, schedule
 
     rows = bucket["rows"]
@@ -117,7 +118,8 @@ def _mla_decode(spec, bucket, device):
     def sched(m, which, seqlens):
         key = (m["split_factor"], which)
         if key not in schedules:
-            schedules[key] = schedule(seqlens, num_sm_parts(sms, rows, 1, m["split_factor"]))
+            parts = num_sm_parts(sms, rows, 1, m["split_factor"])
+            schedules[key] = schedule(seqlens, parts, schedule_policy(spec.variant))
         return schedules[key]
 
     def run(i, m):
