@@ -118,6 +118,6 @@ for spec in (
                    | ({} if spec.variant == "tma" else {"TILE_IN_PAGE": bh == 64}))  # fmt: skip
     compile_fn(spec.name, mod.combine_kernel,
                {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "num_splits_ptr": "*i32",
-                "out_ptr": dt, "lse_ptr": "*fp32"}, {"BLOCK_H": 16})  # fmt: skip
+                "out_ptr": dt, "lse_ptr": "*fp32"}, {"BLOCK_H": 16, "BLOCK_V": 128})  # fmt: skip
 
 sys.exit(1 if failures else 0)
