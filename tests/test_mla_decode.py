@@ -59,16 +59,14 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
 
 
 def _kernels(specs):
-    """Each variant with each of its kernels: the wgmma variant has two (roles 0 and 1)."""
-    return [(s, {"roles": r}) for s in specs for r in ((0, 1) if s.variant == "wgmma" else (None,))]
+    """Each variant with the launch arguments that pick each of its kernels: the wgmma variant
+    has two (roles 0 and 1), the others one."""
+    return [(s, {"roles": r}) if s.variant == "wgmma" else (s, {})
+            for s in specs for r in ((0, 1) if s.variant == "wgmma" else (None,))]  # fmt: skip
 
 
 def _kid(x):
-    return getattr(x, "name", None) or ",".join(f"{k}{v}" for k, v in x.items() if v is not None)
-
-
-def _given(kernel):
-    return {k: v for k, v in kernel.items() if v is not None}
+    return getattr(x, "name", None) or ",".join(f"{k}{v}" for k, v in x.items()) or "default"
 
 
 @pytest.mark.parametrize("policy", ["split", "whole"])
@@ -78,7 +76,7 @@ def test_variant_unequal_lengths(spec, kernel, policy, device):
     # "whole": none is (the split kernel writes out and lse itself, the combine skips them).
     page = 64 if spec.variant == "tma" else 16  # tma tiles never cross a page
     q, k, t, sl = _problem([70, 0, 1, 130], page, 4, 2, spec.head_dim, DTYPES[spec.dtype], device)
-    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, **_given(kernel))
+    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, **kernel)
 
 
 Q_READERS = [(s, kw) for s, kw in _kernels(VARIANTS) if s.head_dim == 576 and s.dtype == "bf16"
@@ -101,7 +99,7 @@ def test_hopper_kernels_take_any_q_view(spec, kernel, layout, device):
         wide = torch.zeros(*q.shape[:3], 600, dtype=q.dtype, device=device)
         wide[..., 8:584] = q
         q = wide[..., 8:584]
-    _check(q, k, t, sl, 512, causal=True, spec=spec, **_given(kernel))
+    _check(q, k, t, sl, 512, causal=True, spec=spec, **kernel)
 
 
 WIDE = [s for s in VARIANTS if (s.head_dim, s.dtype) == (576, "bf16")]
@@ -117,7 +115,7 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, kernel, policy
         for i in range(n):
             used[t[b, i // 64], i % 64] = True
     k[~used] = float("nan")
-    _check(q, k, t, sl, 512, spec=spec, policy=policy, **_given(kernel))
+    _check(q, k, t, sl, 512, spec=spec, policy=policy, **kernel)
 
 
 # (the wgmma variant has no page_ahead choice: its own choice, roles, instead)
@@ -180,7 +178,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
 
     from kvgen import configs
     from kvgen.families.mla_decode import MLADecodeSpec
-    from kvgen.ops._mla_decode import _choose, _split_factor, _winner, schedule_policy
+    from kvgen.ops._mla_decode import _choose, _split_policy
 
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
     monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
@@ -199,13 +197,13 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
                                                "default_time_us": 2.0}}}}  # fmt: skip
     (tmp_path / "sm90").mkdir()
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
-    assert _split_factor("sm90", "gpu", 16) == 2  # the template default, before loading
+    assert _split_policy("sm90", "gpu", 16) == (2, "split")  # the template default, untuned
     configs.reset()
     assert pick(k).variant == "tma"
     # get_mla_metadata's split policy: the tuned one of the variant measured fastest
-    assert _split_factor("sm90", "gpu", 16) == 4
-    assert _split_factor("sm90", "gpu", 128) == 4  # nearest bucket
-    assert _split_factor("sm80", "gpu", 16) == 2  # nothing tuned for sm80
+    assert _split_policy("sm90", "gpu", 16) == (4, "split")
+    assert _split_policy("sm90", "gpu", 128) == (4, "split")  # nearest bucket
+    assert _split_policy("sm80", "gpu", 16) == (2, "split")  # nothing tuned for sm80
     assert configs.meta_params(tma, rows=16) == meta | {"page_ahead": 0, "roles": 0}
     assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "portable"  # page
     assert pick(k[:, :, :, :]).variant == "tma"
@@ -232,9 +230,9 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     odd = torch.empty(8, 64, 1, 580, dtype=torch.bfloat16)[..., 1:577]
     assert pick(odd).variant == "portable"  # rows 2 bytes off 16-byte alignment
     assert pick(k, arch="sm80").variant == "portable"
-    assert _split_factor("sm90", "gpu", 16) == 1  # its split policy now
-    # and whole sequences where that costs little: its split kernel writes them out itself
-    assert schedule_policy(_winner("sm90", "gpu", 16).variant) == "auto"
-    assert schedule_policy(_winner("sm90", "gpu", 128).variant) == "auto"
-    assert schedule_policy(_winner("sm80", "gpu", 16).variant) == "split"
+    # its split policy now, and whole sequences where that costs little (its split kernel
+    # writes them out itself)
+    assert _split_policy("sm90", "gpu", 16) == (1, "auto")
+    assert _split_policy("sm90", "gpu", 128) == (1, "auto")
+    assert _split_policy("sm80", "gpu", 16) == (2, "split")
     configs.reset()

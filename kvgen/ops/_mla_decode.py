@@ -160,8 +160,7 @@ def split_policy(device: torch.device, rows: int) -> tuple[int, str]:
         arch, target = runtime.target_of(device)
     except ValueError:  # a CPU schedule without the interpreter: the schedule is plain torch
         arch, target = runtime.INTERPRETER_ARCH, "interp"
-    best = _winner(arch, target, rows)
-    return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)
+    return _split_policy(arch, target, rows)
 
 
 def schedule_policy(variant: str) -> str:
@@ -172,15 +171,12 @@ def schedule_policy(variant: str) -> str:
     return "auto" if variant == "wgmma" else "split"
 
 
-def _split_factor(arch, target, rows):
-    return runtime.meta_params(_winner(arch, target, rows), rows=rows)["split_factor"]
-
-
-def _winner(arch, target, rows):
+def _split_policy(arch, target, rows):
     from kvgen.families.mla_decode import available
 
     def spec(variant):
         return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
     others = [spec(v) for v in ("tma", "wgmma") if available(v, arch, target)]
-    return _tuned_winner(spec("portable"), others, rows)
+    best = _tuned_winner(spec("portable"), others, rows)
+    return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)
