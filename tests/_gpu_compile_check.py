@@ -99,12 +99,10 @@ for spec in (
                         "TILE_IN_PAGE": in_page}, warps=8,
                        aligned=("k_ptr", "stride_k_block", "stride_k_row"))  # fmt: skip
         # roles=1: three 4-warp partitions (warp_specialize), registers set per partition
-        # (with and without the L2 prefetch; 16-key tiles: 8 prefetched pieces a row)
-        for bn, bufs, in_page, ahead in ((64, 2, True, 2), (32, 4, False, 0), (16, 3, True, 1)):
+        for bn, bufs, in_page in ((64, 2, True), (32, 4, False)):
             compile_fn(spec.name + " roles", mod.split_kernel_roles, types,
                        {"CAUSAL": bn == 32, "BLOCK_N": bn, "NUM_BUF": bufs,
-                        "TILE_IN_PAGE": in_page, "PREFETCH": ahead}, warps=4,
-                       maxnreg=mod.ROLES_MAXNREG,
+                        "TILE_IN_PAGE": in_page}, warps=4, maxnreg=mod.ROLES_MAXNREG,
                        aligned=("k_ptr", "stride_k_block", "stride_k_row", "q_ptr",
                                 "stride_q_batch", "stride_q_row"))  # fmt: skip
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():

@@ -58,14 +58,11 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
     assert err.numel() == 0 or float(err.max()) < 1e-3
 
 
-WGMMA_KERNELS = ({"roles": 0}, {"roles": 1}, {"roles": 1, "l2_prefetch": 1})
-
-
 def _kernels(specs):
     """Each variant with the launch arguments that pick each of its kernels: the wgmma variant
-    has two (roles 0 and 1; roles=1 with and without its L2 prefetch), the others one."""
-    return [(s, kw) for s in specs
-            for kw in (WGMMA_KERNELS if s.variant == "wgmma" else ({},))]  # fmt: skip
+    has two (roles 0 and 1), the others one."""
+    return [(s, {"roles": r}) if s.variant == "wgmma" else (s, {})
+            for s in specs for r in ((0, 1) if s.variant == "wgmma" else (None,))]  # fmt: skip
 
 
 def _kid(x):
@@ -122,7 +119,7 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, kernel, policy
 
 
 # (the wgmma variant has no page_ahead choice: its own choice, roles, instead)
-AHEAD = [(s, kw) for s in WIDE if s.variant == "wgmma" for kw in WGMMA_KERNELS] + [
+AHEAD = [(s, {"roles": r}) for s in WIDE if s.variant == "wgmma" for r in (0, 1)] + [
     (s, {"page_ahead": a}) for s in WIDE if s.variant != "wgmma" for a in (0, 1)]  # fmt: skip
 
 
@@ -207,8 +204,7 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     assert _split_policy("sm90", "gpu", 16) == (4, "split")
     assert _split_policy("sm90", "gpu", 128) == (4, "split")  # nearest bucket
     assert _split_policy("sm80", "gpu", 16) == (2, "split")  # nothing tuned for sm80
-    assert configs.meta_params(tma, rows=16) == meta | {"page_ahead": 0, "roles": 0,
-                                                        "l2_prefetch": 0}  # fmt: skip
+    assert configs.meta_params(tma, rows=16) == meta | {"page_ahead": 0, "roles": 0}
     assert pick(torch.empty(8, 48, 1, 576, dtype=torch.bfloat16)).variant == "portable"  # page
     assert pick(k[:, :, :, :]).variant == "tma"
     strided = torch.empty(8, 64, 2, 576, dtype=torch.bfloat16)[:, :, :1]

@@ -69,7 +69,7 @@ class MLADecodeSpec(VariantSpec):
         if self.variant == "wgmma":  # 64-row tiles, two K tiles in flight, the work split by
             # roles between warpgroups (the fastest point of the H200 sweep at 32-128 heads)
             return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2,
-                    "split_factor": 1, "page_ahead": 0, "roles": 1, "l2_prefetch": 0}  # fmt: skip
+                    "split_factor": 1, "page_ahead": 0, "roles": 1}  # fmt: skip
         # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
         # wgmma tiles spill; the tuner measures whether they pay off anyway).
         block_n = 32
@@ -78,7 +78,7 @@ class MLADecodeSpec(VariantSpec):
         stages = 2 if 2 * tile <= ARCH_LIMITS[self.arch]["smem_bytes"] else 1
         return {"block_h": 16, "block_n": block_n, "num_warps": 4,
                 "num_stages": stages, "split_factor": 2 if rows <= 32 else 1,
-                "page_ahead": 0, "roles": 0, "l2_prefetch": 0}  # fmt: skip
+                "page_ahead": 0, "roles": 0}  # fmt: skip
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:
