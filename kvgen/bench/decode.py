@@ -123,9 +123,10 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
     """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches.
 
     Each caller is timed once a round, as many rounds as callers, the order rotated each round,
-    and its median kept: the H200's clocks follow the load that came before, so a caller always
-    timed right after the same other one read up to 8 % slower (runs 42 and 49 of
-    ``benchmarks/NOTES.md``); rotated, every caller takes every place in the order once."""
+    and its median kept; each timing starts after the graph has run for a while on its own
+    (``harness.graph_time_us``'s settle), since the H200's clocks follow the load that came
+    before: the op's row, timed right after the wgmma variant's row with the same kernels, read
+    up to 9 % slower than it (``benchmarks/NOTES.md``, eighth session)."""
     from kvgen.formats.mla_decode import mla_decode
     from kvgen.ops import get_mla_metadata
 

@@ -21,14 +21,24 @@ def sets_for(bytes_per_set: int, most: int = 64) -> int:
     return max(2, min(most, -(-L2_ROTATE_BYTES // max(1, bytes_per_set))))
 
 
+SETTLE_MS = 50.0
+
+
 def graph_time_us(
     step: Callable[[int], None],
     n_sets: int,
     calls: int | None = None,
     replays: int = 20,
     trials: int = 7,
+    settle_ms: float = SETTLE_MS,
 ) -> float:
-    """Median time per call of ``step(i)`` (i cycling over the sets) replayed in one CUDA graph."""
+    """Median time per call of ``step(i)`` (i cycling over the sets) replayed in one CUDA graph.
+
+    Before the timed trials the graph replays for ``settle_ms`` of GPU time, so that each
+    measurement starts from the clocks its own load settles at, not from those that the previous
+    measurement left (a heavy kernel timed right after a lighter one read 5-10 % faster for its
+    first few milliseconds on the H200: ``benchmarks/NOTES.md``, eighth session).
+    """
     calls = calls or max(n_sets, 32)
     for i in range(n_sets):  # compile and warm up outside the capture
         step(i)
@@ -41,9 +51,15 @@ def graph_time_us(
             for k in range(calls):
                 step(k % n_sets)
     torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    once_ms = start.elapsed_time(end)
+    for _ in range(min(10_000, int(settle_ms / max(once_ms, 1e-3)))):
+        graph.replay()
+    torch.cuda.synchronize()
     per_call = []
     for _ in range(trials):
         start.record()
