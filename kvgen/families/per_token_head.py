@@ -37,6 +37,18 @@ def int4_midpoints() -> list[float]:
     return out
 
 
+def int4_midpoint_parts() -> list[tuple[str, float]]:
+    """M_i split as B_i + h_i: B_i the fp32 boundary (as PTX's hex float literal) and h_i half
+    its ulp (a power of two), for the GPU's fp32 form of T_i = RZ(scale * M_i)."""
+    out = []
+    for b in INT4_BOUNDARIES:
+        bits = struct.unpack("<I", struct.pack("<f", b))[0]
+        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
+        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+        out.append((f"0f{bits:08X}", (hi - lo) / 2))
+    return out
+
+
 FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
 # (head_size, head_size_v) pairs every variant list covers; other sizes generate on demand.
 HEAD_SIZES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512))
@@ -190,6 +202,7 @@ class StoreKVInt4Spec(VariantSpec):
             "min_scale": "1e-06",
             "boundaries": [repr(b) for b in INT4_BOUNDARIES],
             "midpoints": [repr(m) for m in int4_midpoints()],
+            "midpoint_parts": [(b, repr(h)) for b, h in int4_midpoint_parts()],
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
             **(PACKED_HALF[self.in_dtype] if fast else {}),
