@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from kvgen.codegen.spec import VariantSpec
+from kvgen.codegen.spec import SpecError, VariantSpec
 from kvgen.families import mla_decode, mxfp4_mla, per_token_head
 
 _FAMILY_MODULES = (mxfp4_mla, per_token_head, mla_decode)
@@ -21,9 +21,31 @@ def families() -> list[str]:
     return sorted({s.family for s in variants("sm90", "gpu")})
 
 
+def _unlisted(name: str, listed: list[VariantSpec]) -> VariantSpec | str | None:
+    """The spec that ``name`` spells in a listed variant's family, if its choice-valued fields
+    (dtype, variant, arch, target, ...) are those of a listed variant: sizes outside the default
+    lists (other head sizes) generate on demand. A string says why a name of a listed family is
+    not a variant; None: no listed family's name."""
+    for cls in {type(s) for s in listed}:
+        if not name.startswith(cls.family + "-"):
+            continue
+        try:
+            spec = cls.from_name(name)
+        except SpecError as exc:
+            return str(exc)
+        chosen = [n for n, ax in cls.axes().items() if ax.choices is not None]
+        key = [getattr(spec, n) for n in chosen]
+        if any(type(s) is cls and [getattr(s, n) for n in chosen] == key for s in listed):
+            return spec
+        return None
+    return None
+
+
 def lookup(names: list[str], arch: str, target: str) -> list[VariantSpec]:
-    """Specs for ``names`` (exact variant names or family names); unknown names raise KeyError."""
-    by_name = {s.name: s for s in variants(arch, target)}
+    """Specs for ``names`` (variant names, listed or not, or family names); unknown names raise
+    KeyError."""
+    listed = variants(arch, target)
+    by_name = {s.name: s for s in listed}
     out: list[VariantSpec] = []
     for name in names:
         if name in by_name:
@@ -33,7 +55,12 @@ def lookup(names: list[str], arch: str, target: str) -> list[VariantSpec]:
         if fam:
             out.extend(fam)
             continue
+        spec = _unlisted(name, listed)
+        if isinstance(spec, VariantSpec):
+            out.append(spec)
+            continue
         close = difflib.get_close_matches(name, list(by_name) + families(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise KeyError(f"no variant or family named {name!r} for {arch}/{target}{hint}")
+        why = f" ({spec})" if isinstance(spec, str) else ""
+        raise KeyError(f"no variant or family named {name!r} for {arch}/{target}{why}{hint}")
     return out

@@ -95,6 +95,34 @@ class VariantSpec:
             parts.append(f"{f.metadata[_AXIS].tag}{getattr(self, f.name)}")
         return "-".join(parts)
 
+    @classmethod
+    def from_name(cls, name: str) -> VariantSpec:
+        """The spec whose ``name`` is ``name`` (any allowed field values, listed or not).
+
+        Raises SpecError when ``name`` is not this family's, a part lacks its field's tag, or a
+        value is not allowed.
+        """
+        parts = name.split("-")
+        fields = dataclasses.fields(cls)
+        if parts[0] != cls.family or len(parts) != len(fields) + 1:
+            raise SpecError(f"{name!r} is not a {cls.family} variant name")
+        values = {}
+        for f, part in zip(fields, parts[1:], strict=True):
+            tag = f.metadata[_AXIS].tag
+            if not part.startswith(tag) or part == tag:
+                raise SpecError(f"{name!r}: expected {f.name} as {tag}<value>, got {part!r}")
+            text = part[len(tag) :]
+            if f.type in ("int", int):
+                if not text.isdigit():
+                    raise SpecError(f"{name!r}: {f.name} must be an integer, got {text!r}")
+                values[f.name] = int(text)
+            else:
+                values[f.name] = text
+        spec = cls(**values)
+        if spec.name != name:  # e.g. a leading zero
+            raise SpecError(f"{name!r} is not a canonical variant name (did you mean {spec.name}?)")
+        return spec
+
     @property
     def module_name(self) -> str:
         return "kvgen_gen_" + self.name.replace("-", "_")
