@@ -24,29 +24,23 @@ PACKED_HALF = {
 }  # fmt: skip
 
 
+def int4_midpoint_parts() -> list[tuple[int, float, float]]:
+    """Per level boundary: the fp32 boundary B_i (its bits and value) and h_i, half its ulp (a
+    power of two). M_i = B_i + h_i is the midpoint between B_i and the next fp32 value up:
+    RN_fp32(z) > B_i exactly when z > M_i (a tie rounds to B_i's neighbour of even mantissa, but
+    never occurs; see the template)."""
+    out = []
+    for b in INT4_BOUNDARIES:
+        bits = struct.unpack("<I", struct.pack("<f", b))[0]
+        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
+        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
+        out.append((bits, lo, (hi - lo) / 2))
+    return out
+
+
 def int4_midpoints() -> list[float]:
-    """M_i, exactly (as Python floats: 25 significant bits fit), halfway between each fp32
-    level boundary B_i and the next fp32 value up: RN_fp32(z) > B_i exactly when z > M_i (a
-    tie rounds to B_i's neighbour of even mantissa, but never occurs; see the template)."""
-    out = []
-    for b in INT4_BOUNDARIES:
-        bits = struct.unpack("<I", struct.pack("<f", b))[0]
-        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
-        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
-        out.append((lo + hi) / 2)
-    return out
-
-
-def int4_midpoint_parts() -> list[tuple[str, float]]:
-    """M_i split as B_i + h_i: B_i the fp32 boundary (as PTX's hex float literal) and h_i half
-    its ulp (a power of two), for the GPU's fp32 form of T_i = RZ(scale * M_i)."""
-    out = []
-    for b in INT4_BOUNDARIES:
-        bits = struct.unpack("<I", struct.pack("<f", b))[0]
-        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
-        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
-        out.append((f"0f{bits:08X}", (hi - lo) / 2))
-    return out
+    """M_i = B_i + h_i, exactly (as Python floats: 25 significant bits fit)."""
+    return [b + h for _, b, h in int4_midpoint_parts()]
 
 
 FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
@@ -202,7 +196,8 @@ class StoreKVInt4Spec(VariantSpec):
             "min_scale": "1e-06",
             "boundaries": [repr(b) for b in INT4_BOUNDARIES],
             "midpoints": [repr(m) for m in int4_midpoints()],
-            "midpoint_parts": [(b, repr(h)) for b, h in int4_midpoint_parts()],
+            # (B_i as PTX's hex float literal, h_i): the GPU's fp32 form of the thresholds
+            "midpoint_parts": [(f"0f{bits:08X}", repr(h)) for bits, _, h in int4_midpoint_parts()],
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
             **(PACKED_HALF[self.in_dtype] if fast else {}),
