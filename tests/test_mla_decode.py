@@ -119,7 +119,7 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, kernel, policy
 
 
 # (the wgmma variant has no page_ahead choice: its own choice, roles, instead)
-AHEAD = [(s, {"roles": r}) for s in WIDE if s.variant == "wgmma" for r in (0, 1)] + [
+AHEAD = [(s, kw) for s, kw in _kernels(WIDE) if s.variant == "wgmma"] + [
     (s, {"page_ahead": a}) for s in WIDE if s.variant != "wgmma" for a in (0, 1)]  # fmt: skip
 
 
