@@ -76,6 +76,29 @@ def pieces(width: int, most: int = 4, min_tile: int = 16) -> list[tuple[int, int
     return out
 
 
+def equal_pieces(width: int, least: int = 64, most: int = 16) -> list[tuple[int, int, int]]:
+    """A head as equal power-of-two tiles where its width allows (576 = 9 x 64, 192 = 3 x 64:
+    tiles of at least ``least`` channels, at most ``most`` of them), else ``pieces(width)``.
+
+    Tiles of one size share one register layout, so the kernel takes their elementwise maximum
+    and reduces it once; tiles of different sizes (512 + 64) get different layouts, and the
+    compiler moved the wide tile through shared memory to meet the narrow one (``benchmarks/
+    NOTES.md``, ninth session).
+    """
+    tile = width & -width  # the largest power of two dividing width
+    if tile >= least and width // tile <= most:
+        return [(off, tile, tile) for off in range(0, width, tile)]
+    return pieces(width)
+
+
+def amax_groups(tiles: list[tuple[int, int, int]]) -> list[list[int]]:
+    """Indices of the tiles of each size, in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, (_, tile, _) in enumerate(tiles):
+        groups.setdefault(tile, []).append(i)
+    return list(groups.values())
+
+
 def int4_channels_for(head_size: int, groups: int) -> int | None:
     """Channels per scale that give ``groups`` scales per head (the smallest such: when several
     do, they all make a single group, so the bytes are the same)."""
@@ -154,8 +177,10 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
             "fp8_rebias": (127 - bias) << mant,
             "fp8_sub_scale": repr(2.0 ** (bias + mant - 1)),
             "fp8_min_normal": repr(2.0 ** (1 - bias)),
-            "k_pieces": pieces(self.head_size),
-            "v_pieces": pieces(self.head_size_v),
+            "k_pieces": equal_pieces(self.head_size),
+            "v_pieces": equal_pieces(self.head_size_v),
+            "k_groups": amax_groups(equal_pieces(self.head_size)),
+            "v_groups": amax_groups(equal_pieces(self.head_size_v)),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
