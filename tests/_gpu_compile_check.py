@@ -10,6 +10,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
@@ -18,6 +19,7 @@ from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec  # no
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec  # noqa: E402
 
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+GL = {"bf16": gl.bfloat16, "fp16": gl.float16}
 failures = 0
 
 
@@ -99,10 +101,19 @@ for spec in (
                         "TILE_IN_PAGE": in_page}, warps=8,
                        aligned=("k_ptr", "stride_k_block", "stride_k_row"))  # fmt: skip
         # roles=1: three 4-warp partitions (warp_specialize), registers set per partition
-        for bn, bufs, in_page in ((64, 2, True), (32, 4, False)):
+        # K tiles by TMA (descriptors typed with their shared layouts, as Gluon's are) or by
+        # cp.async (the descriptor arguments are then the cache itself, unused)
+        for bn, bufs, in_page, tma in ((64, 2, True, True), (64, 2, True, False),
+                                       (32, 4, False, False)):  # fmt: skip
+            rope = spec.head_dim - spec.head_dim_v
+            for arg, width in (("k_lat_desc", spec.head_dim_v), ("k_rope_desc", rope)):
+                width = width or spec.head_dim_v  # (no rope: the latent descriptor twice)
+                layout = gl.NVMMASharedLayout.get_default_for([bn, width], GL[spec.dtype])
+                types[arg] = f"tensordesc<{spec.dtype}[{bn}, {width}],{layout!r}>" if tma else dt
             compile_fn(spec.name + " roles", mod.split_kernel_roles, types,
                        {"CAUSAL": bn == 32, "BLOCK_N": bn, "NUM_BUF": bufs,
-                        "TILE_IN_PAGE": in_page}, warps=4, maxnreg=mod.ROLES_MAXNREG,
+                        "TILE_IN_PAGE": in_page, "USE_TMA": tma}, warps=4,
+                       maxnreg=mod.ROLES_MAXNREG,
                        aligned=("k_ptr", "stride_k_block", "stride_k_row", "q_ptr",
                                 "stride_q_batch", "stride_q_row"))  # fmt: skip
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
