@@ -77,10 +77,7 @@ for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
              "key_cache_ptr": cache, "value_cache_ptr": cache, "k_scale_ptr": scale,
              "v_scale_ptr": scale, "slot_ptr": "*i64"}  # fmt: skip
     for tokens, heads in ((1, 8), (4, 2), (1, 1)):
-        constexprs = {"TOKENS": tokens, "HEADS": heads}
-        if "ONE_ROW" in load(spec).store_kernel.arg_names:  # int8 / fp8: the row max by bits
-            constexprs["ONE_ROW"] = tokens * heads == 1
-        compile_fn(spec.name, load(spec).store_kernel, types, constexprs)
+        compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
 
 for spec in (
     MLADecodeSpec(576, 512, "bf16"),

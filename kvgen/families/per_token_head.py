@@ -161,6 +161,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
 
     def derived(self) -> dict[str, Any]:
         torch_name, tl_name, qmax, mant, bias, min_normal = _FMT[self.fmt]
+        k_pieces, v_pieces = equal_pieces(self.head_size), equal_pieces(self.head_size_v)
         return {
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
             "cache_torch_dtype": torch_name,
@@ -177,10 +178,10 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
             "fp8_rebias": (127 - bias) << mant,
             "fp8_sub_scale": repr(2.0 ** (bias + mant - 1)),
             "fp8_min_normal": repr(2.0 ** (1 - bias)),
-            "k_pieces": equal_pieces(self.head_size),
-            "v_pieces": equal_pieces(self.head_size_v),
-            "k_groups": amax_groups(equal_pieces(self.head_size)),
-            "v_groups": amax_groups(equal_pieces(self.head_size_v)),
+            "k_pieces": k_pieces,
+            "v_pieces": v_pieces,
+            "k_groups": amax_groups(k_pieces),
+            "v_groups": amax_groups(v_pieces),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
