@@ -76,6 +76,10 @@ for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
     types = {"key_ptr": src, "value_ptr": src,
              "key_cache_ptr": cache, "value_cache_ptr": cache, "k_scale_ptr": scale,
              "v_scale_ptr": scale, "slot_ptr": "*i64"}  # fmt: skip
+    if isinstance(spec, StoreKVInt4Spec):  # scale groups a program, 64-bit unit indices
+        for units, wide in ((32, False), (256, False), (64, True)):
+            compile_fn(spec.name, load(spec).store_kernel, types, {"UNITS": units, "WIDE": wide})
+        continue
     for tokens, heads in ((1, 8), (4, 2), (1, 1)):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
 

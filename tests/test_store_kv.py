@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvgen import registry
+from kvgen.codegen import load
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec
 from kvgen.formats import per_token_head as ref
 from kvgen.ops import (
@@ -202,8 +203,11 @@ def test_quantization_error_is_bounded():
     assert ((back - x).abs() <= group_amax * (widest_gap / 2 + 1e-3)).all()
 
 
+QUANT_LAYOUT_SPECS = [s for s in LAYOUT_SPECS if s.family == "store_kv_per_token_head"]
+
+
 @pytest.mark.parametrize("tokens_per_program,heads_per_program", [(4, 2), (8, 1), (2, 4)])
-@pytest.mark.parametrize("spec", LAYOUT_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", QUANT_LAYOUT_SPECS, ids=lambda s: s.name)
 def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program, device,
                                     monkeypatch):  # fmt: skip
     """Meta-parameters the tuner may pick: tiles over tokens and heads, ragged at both ends."""
@@ -213,6 +217,31 @@ def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program,
             "num_warps": 4, "num_stages": 1}  # fmt: skip
     monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
     _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
+
+
+INT4_UNIT_SPECS = [StoreKVInt4Spec(32, 128, 128, "bf16", ARCH, TARGET),
+                   StoreKVInt4Spec(32, 576, 512, "bf16", ARCH, TARGET),
+                   StoreKVInt4Spec(16, 80, 64, "fp32", ARCH, TARGET)]  # fmt: skip
+
+
+@pytest.mark.parametrize("units_per_program,num_warps", [(32, 1), (64, 2), (256, 2)])
+@pytest.mark.parametrize("spec", INT4_UNIT_SPECS, ids=lambda s: s.name)
+def test_int4_units_per_program(spec, units_per_program, num_warps, device, monkeypatch):
+    """Meta-parameters the tuner may pick: programs of many scale groups that cut across heads
+    and tokens (576 = 18 groups of 32), ragged at the end; K and V of different widths."""
+    import kvgen.runtime
+
+    meta = {"units_per_program": units_per_program, "num_warps": num_warps, "num_stages": 1}
+    monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
+    _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
+
+
+def test_int4_64bit_unit_indices(device, monkeypatch):
+    """The 64-bit unit index path (taken from 2^31 scale groups on) gives the same bytes: the
+    threshold is lowered so that a small store takes it."""
+    spec = StoreKVInt4Spec(32, 576, 512, "bf16", ARCH, TARGET)
+    monkeypatch.setattr(load(spec), "WIDE_UNITS", 1)
+    _run_and_compare(spec, device, tokens=7, heads=2, block_size=16, layout="nhd")
 
 
 def _ulp_step(x: torch.Tensor, k: int) -> torch.Tensor:

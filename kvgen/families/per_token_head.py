@@ -212,9 +212,6 @@ class StoreKVInt4Spec(VariantSpec):
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
             "groups": groups(self.head_size),
             "groups_v": groups(self.head_size_v),
-            # scale groups as power-of-two pieces (576 / 32 = 18 = 16 + 2)
-            "k_pieces": pieces(groups(self.head_size), min_tile=1),
-            "v_pieces": pieces(groups(self.head_size_v), min_tile=1),
             # even head sizes read words of two elements (see the template)
             "words": words,
             "packed": -(-self.head_size // 2),
@@ -230,7 +227,18 @@ class StoreKVInt4Spec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        return _default_meta(self, num_tokens, num_heads)
+        return default_int4_meta(num_tokens * num_heads * -(-self.head_size // self.channels),
+                                 self.channels)  # fmt: skip
+
+
+def default_int4_meta(units: int, channels: int) -> dict[str, int]:
+    """The int4 store's program: ``units`` scale groups of K (one thread each, as a group's
+    pieces all go to one thread), at most 64 channels a thread and 4 warps a program; few units
+    give one warp and one program (the shortest path)."""
+    per_thread = max(1, 64 // channels)
+    warps = max(1, min(4, _pow2_floor(units / (32 * per_thread * 8))))
+    upp = max(32 * warps, min(32 * warps * per_thread, _next_pow2(units)))
+    return {"units_per_program": upp, "num_warps": warps, "num_stages": 1}
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:
