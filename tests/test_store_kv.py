@@ -224,7 +224,7 @@ INT4_UNIT_SPECS = [StoreKVInt4Spec(32, 128, 128, "bf16", ARCH, TARGET),
                    StoreKVInt4Spec(16, 80, 64, "fp32", ARCH, TARGET)]  # fmt: skip
 
 
-@pytest.mark.parametrize("units_per_program,num_warps", [(32, 1), (64, 2), (256, 2)])
+@pytest.mark.parametrize("units_per_program,num_warps", [(4, 1), (32, 1), (64, 2), (256, 2)])
 @pytest.mark.parametrize("spec", INT4_UNIT_SPECS, ids=lambda s: s.name)
 def test_int4_units_per_program(spec, units_per_program, num_warps, device, monkeypatch):
     """Meta-parameters the tuner may pick: programs of many scale groups that cut across heads

@@ -18,9 +18,9 @@ PACKED_COMPARE_ARCHS = ("sm90", "sm100")
 # weight 8.0, for the int4 template's packed count.
 PACKED_HALF = {
     "bf16": {"h2": "bf16x2", "h2_bias": "128.0", "h2_bias_bits": "0x43004300",
-             "h2_eight_bits": "0x41004100"},
+             "h2_eight_bits": "0x41004100", "h2_pack_bits": "0xFFFFFFFC"},
     "fp16": {"h2": "f16x2", "h2_bias": "1024.0", "h2_bias_bits": "0x64006400",
-             "h2_eight_bits": "0x48004800"},
+             "h2_eight_bits": "0x48004800", "h2_pack_bits": "0xFFFFFFFA"},
 }  # fmt: skip
 
 
