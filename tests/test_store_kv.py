@@ -206,15 +206,17 @@ def test_quantization_error_is_bounded():
 QUANT_LAYOUT_SPECS = [s for s in LAYOUT_SPECS if s.family == "store_kv_per_token_head"]
 
 
-@pytest.mark.parametrize("tokens_per_program,heads_per_program", [(4, 2), (8, 1), (2, 4)])
+@pytest.mark.parametrize("tokens_per_program,heads_per_program,split_kv",
+                         [(4, 2, 0), (8, 1, 1), (2, 4, 0), (1, 1, 1)])  # fmt: skip
 @pytest.mark.parametrize("spec", QUANT_LAYOUT_SPECS, ids=lambda s: s.name)
-def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program, device,
+def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program, split_kv, device,
                                     monkeypatch):  # fmt: skip
-    """Meta-parameters the tuner may pick: tiles over tokens and heads, ragged at both ends."""
+    """Meta-parameters the tuner may pick: tiles over tokens and heads, ragged at both ends; K and
+    V in one program or in two."""
     import kvgen.runtime
 
     meta = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program,
-            "num_warps": 4, "num_stages": 1}  # fmt: skip
+            "num_warps": 4, "num_stages": 1, "split_kv": split_kv}  # fmt: skip
     monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
     _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
 

@@ -144,7 +144,8 @@ def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
     heads = 1 if num_tokens <= 64 else default_heads_per_program(num_heads, width)
     tokens = default_tokens_per_program(num_tokens, heads, row)
     return {"tokens_per_program": tokens, "heads_per_program": heads,
-            "num_warps": default_num_warps(tokens, heads, row), "num_stages": 1}  # fmt: skip
+            "num_warps": default_num_warps(tokens, heads, row), "num_stages": 1,
+            "split_kv": 0}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
