@@ -18,10 +18,17 @@ PACKED_COMPARE_ARCHS = ("sm90", "sm100")
 # weight 8.0, for the int4 template's packed count.
 PACKED_HALF = {
     "bf16": {"h2": "bf16x2", "h2_bias": "128.0", "h2_bias_bits": "0x43004300",
-             "h2_eight_bits": "0x41004100", "h2_pack_bits": "0xFFFFFFFC"},
+             "h2_eight_bits": "0x41004100"},
     "fp16": {"h2": "f16x2", "h2_bias": "1024.0", "h2_bias_bits": "0x64006400",
-             "h2_eight_bits": "0x48004800", "h2_pack_bits": "0xFFFFFFFA"},
+             "h2_eight_bits": "0x48004800"},
 }  # fmt: skip
+
+
+def _packed_half(in_dtype: str) -> dict[str, str]:
+    """PACKED_HALF's entry, with the constant of the int4 template's byte pack: n >> 12 brings
+    the low lane's bias bits (bias >> 12) into bits 0-3, and the pack subtracts them."""
+    bias = int(PACKED_HALF[in_dtype]["h2_bias_bits"], 16) & 0xFFFF
+    return {**PACKED_HALF[in_dtype], "h2_pack_bits": f"0x{-(bias >> 12) & 0xFFFFFFFF:08X}"}
 
 
 def int4_midpoint_parts() -> list[tuple[int, float, float]]:
@@ -226,7 +233,7 @@ class StoreKVInt4Spec(VariantSpec):
             "midpoint_parts": [(f"0f{bits:08X}", repr(h)) for bits, _, h in int4_midpoint_parts()],
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
-            **(PACKED_HALF[self.in_dtype] if fast else {}),
+            **(_packed_half(self.in_dtype) if fast else {}),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
