@@ -366,13 +366,23 @@ def tune_cmd(
             "(default: all visible; 1: in this process)."
         ),
     ] = 0,
+    confirm: Annotated[
+        int,
+        typer.Option(
+            help="Re-time each study's best N configs and the default in 3 alternated "
+            "rounds and keep the lowest median (0: keep the best single trial).",
+            min=0,
+        ),
+    ] = 3,
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
     Every trial is checked against the reference and timed with CUDA graphs; an interrupted
     run resumes from its storage. With several GPUs (or several hosts sharing a
     --storage postgresql://... database, each running this command), the trials of every study
-    are spread over all workers.
+    are spread over all workers. Before writing, the best few configs of each study and the
+    default are timed again in alternated rounds (--confirm), so that one lucky timing does not
+    pick the config.
     """
     import time
 
@@ -469,8 +479,11 @@ def tune_cmd(
             dead = [e for e in exits if e.returncode != 0]
             err.print(f"workers done in {time.monotonic() - t0:.1f} s"
                       + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
+            factory = parallel.evaluator_factory(plan)
             for i, (spec, _, bucket) in enumerate(jobs, 1):
                 r = tuner.load_result(spec, bucket, store)
+                if r is not None and r.meta is not None and _confirming(confirm, deadline):
+                    r = tuner.confirm(spec, bucket, store, factory(spec, bucket), top=confirm)
                 _report(r, f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}")
                 results.setdefault(spec.family, []).append(r)
         else:
@@ -489,6 +502,8 @@ def tune_cmd(
                 evaluate = problems.gpu_evaluator(spec, bucket)
                 r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
                                     n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
+                if r.meta is not None and _confirming(confirm, deadline):
+                    r = tuner.confirm(spec, bucket, store, evaluate, top=confirm)
                 _report(r, label)
                 results.setdefault(spec.family, []).append(r)
                 torch.cuda.empty_cache()
@@ -504,13 +519,20 @@ def tune_cmd(
         err.print(f"wrote {path}")
 
 
+def _confirming(top: int, deadline: float | None) -> bool:
+    import time
+
+    return top > 0 and (deadline is None or time.monotonic() < deadline)
+
+
 def _report(r, label: str) -> None:
     speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
     err.print(
         f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
         f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
         f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed"
-        f"{f', {r.skipped} skipped by constraints' if r.skipped else ''})"
+        f"{f', {r.skipped} skipped by constraints' if r.skipped else ''}"
+        f"{f'; medians of {r.confirm_rounds} re-timings' if r.confirm_rounds else ''})"
     )
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -266,6 +267,7 @@ def two_fake_gpus(tmp_path, monkeypatch):
     for k, v in _env(tmp_path / "evals.log", sleep=0.01).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+    monkeypatch.syspath_prepend(str(HERE))  # the coordinator re-times the best configs itself
     # Both workers take part whatever their start-up times (a loaded machine once let the first
     # worker run every trial before the second had imported torch).
     monkeypatch.setenv("KVGEN_FAKE_WORKERS", "2")
@@ -293,7 +295,19 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
         entry = doc["entries"][SPEC.name][b]
         assert entry["time_us"] == fake.cost(entry["meta"]) == fake.cost(best)
         assert entry["trials"] == len(SPACE.points())
-    assert len({pid for pid, _, _ in _evaluations(tmp_path / "evals.log")}) == 2
+        assert entry["confirm_rounds"] == 3
+    evals = _evaluations(tmp_path / "evals.log")
+    workers = {pid for pid, _, _ in evals} - {str(os.getpid())}
+    assert len(workers) == 2
+    # then this process (the coordinator) re-timed each study's 3 best configs and the default,
+    # 3 rounds each, after every worker's trial
+    mine = [i for i, (pid, _, _) in enumerate(evals) if pid == str(os.getpid())]
+    assert mine == list(range(len(evals) - len(mine), len(evals)))
+    for n in (16, 65536):
+        timed = Counter(p for pid, s, p in evals if pid == str(os.getpid())
+                        and s == f"{SPEC.name}@{n}")  # fmt: skip
+        assert set(timed.values()) == {3} and len(timed) in (3, 4)
+        assert json.dumps(SPEC.default_meta(num_tokens=n), sort_keys=True) in timed
     result = _kvgen(*args[:-1], "3")
     assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output
 

@@ -338,3 +338,56 @@ def test_incumbent_is_the_second_trial(override, storage):
     tuner.run_study(SPEC, {"num_tokens": 4096}, SPACE, rec, storage=storage, n_trials=6)
     assert rec.calls[1] != incumbent or rec.calls.count(incumbent) == 1  # sampled, not queued
     assert tuner.incumbent(SPEC, {"num_tokens": 4096}) is None
+
+
+def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
+    """One config timed in a lucky moment wins the study; re-timing the best three and the
+    default in alternated rounds gives the win back to the truly fastest config."""
+    lucky = {"rows_per_program": 8, "num_warps": 4, "num_stages": 1}
+    seen = []
+
+    def noisy(meta):  # the lucky config reads 1 us the first time only
+        seen.append(dict(meta))
+        if meta == lucky and seen.count(lucky) == 1:
+            return 1.0
+        return fake_time(meta)
+
+    r = tuner.run_study(SPEC, BUCKET, SPACE, noisy, storage=storage, sampler="grid",
+                        n_trials=1000)  # fmt: skip
+    assert r.meta == lucky and r.time_us == 1.0  # the single trial's verdict
+    seen.clear()
+    c = tuner.confirm(SPEC, BUCKET, storage, noisy, top=3, rounds=3)
+    true_best = min(SPACE.feasible(SPEC), key=fake_time)
+    assert c.meta == true_best and c.time_us == fake_time(true_best)
+    assert c.confirm_rounds == 3 and c.trials == r.trials
+    default = SPEC.default_meta(**BUCKET)
+    assert c.default_time_us == fake_time(default)
+    # candidates: the 3 best of the study (the lucky one first) and the default, in rounds
+    # forward, backward, forward
+    n = 4 if default not in seen[:3] else 3
+    assert len(seen) == 3 * n and seen[0] == lucky
+    assert seen[n : 2 * n] == seen[:n][::-1] and seen[2 * n :] == seen[:n]
+    # the study itself is unchanged, and the JSON records the re-timing
+    assert tuner.load_result(SPEC, BUCKET, storage).meta == lucky
+    doc_path = tuner.write_results(tmp_path, "sm90", SPEC.family, [c], ENV, "grid", 1000)
+    entry = json.loads(doc_path.read_text())["entries"][SPEC.name]["num_tokens=65536"]
+    assert entry["confirm_rounds"] == 3 and entry["meta"] == true_best
+
+
+def test_confirm_drops_a_candidate_that_fails_now(storage):
+    tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid",
+                    n_trials=1000)  # fmt: skip
+    best = min(SPACE.feasible(SPEC), key=fake_time)
+
+    def broken_best(meta):
+        if meta == best:
+            raise tuner.TrialFailed("wrong result")
+        return fake_time(meta)
+
+    c = tuner.confirm(SPEC, BUCKET, storage, broken_best, top=3, rounds=3)
+    assert c.meta != best and c.meta is not None
+    assert c.time_us == fake_time(c.meta) > fake_time(best)
+    # top 0: the study's own result, nothing timed
+    r = tuner.confirm(SPEC, BUCKET, storage, lambda m: pytest.fail("timed"), top=0)
+    assert r.meta == best and r.confirm_rounds == 0
+    assert tuner.confirm(SPEC, {"num_tokens": 16}, storage, fake_time) is None  # no study

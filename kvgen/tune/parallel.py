@@ -192,16 +192,21 @@ def _fail_trials_of(plan: Plan, storage, worker: str) -> int:
     return n
 
 
+def evaluator_factory(plan: Plan):
+    """``plan.evaluator`` imported: ``factory(spec, bucket) -> evaluate``."""
+    import importlib
+
+    module, _, attr = plan.evaluator.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def work(plan: Plan, log: Callable[[str], None] = print) -> int:
     """One worker: every study of ``plan`` in order, trials until each holds its budget.
     Returns the process exit status (``EXIT_FAULT`` when the GPU context broke)."""
-    import importlib
-
     from kvgen.space import load_space
     from kvgen.tune import tuner
 
-    module, _, attr = plan.evaluator.partition(":")
-    factory = getattr(importlib.import_module(module), attr)
+    factory = evaluator_factory(plan)
     storage = tuner.storage_from(plan.storage, Path(plan.storage))
     me = worker_id(os.getpid())
     deadline = None

@@ -8,6 +8,12 @@ config is enqueued as the first trial of every study, and the config the tuned J
 the bucket (the incumbent, if any) as the second, so that a re-tune after a kernel change
 measures the old winner again instead of hoping the sampler finds it. Studies live in Optuna
 storage (by default a journal file on disk), so an interrupted run resumes where it stopped.
+
+A trial is timed once, so a config that happened to be timed in a faster moment can win by
+noise (on the H200, microsecond kernels read up to ~10 % faster for a while after heavy work:
+``benchmarks/NOTES.md``, eleventh session). ``confirm`` re-times the best few configs and the
+default in alternated rounds and keeps the lowest median; ``kvgen tune`` does this for every
+study before it writes the JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import datetime
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +51,7 @@ class StudyResult:
     trials: int
     failed: int  # compile errors, wrong results, crashes (not the skipped points)
     skipped: int = 0  # points that break a constraint: failed at once, never compiled or timed
+    confirm_rounds: int = 0  # >0: time_us / default_time_us are medians of this many re-timings
 
 
 # Heartbeats let the workers of several hosts sharing a database fail the running trial of a
@@ -401,6 +409,60 @@ def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     )  # fmt: skip
 
 
+def confirm(
+    spec,
+    bucket: dict[str, int],
+    storage,
+    evaluate: Evaluate,
+    *,
+    top: int = 3,
+    rounds: int = 3,
+) -> StudyResult | None:
+    """Re-time the study's ``top`` best distinct configs and the default, ``rounds`` times each
+    in alternated order (forward, backward, ...), and return the result with the lowest median.
+
+    The study's trial values are left as they are. A candidate that fails now (a wrong result,
+    a crash) is dropped. None when there is no study; the study's own result when it has no
+    successful trial or ``top`` is 0.
+    """
+    study = load_study(spec, bucket, storage)
+    if study is None:
+        return None
+    default = spec.default_meta(**bucket)
+    result = summarize(spec, bucket, study, default)
+    if result.meta is None or top <= 0 or rounds <= 0:
+        return result
+    complete = [t for t in counted(study.get_trials(deepcopy=False, states=_FINISHED))
+                if t.state == optuna.trial.TrialState.COMPLETE]  # fmt: skip
+    candidates: list[dict[str, Any]] = []
+    for t in sorted(complete, key=lambda t: t.value):
+        if t.params not in candidates and len(candidates) < top:
+            candidates.append(dict(t.params))
+    if default not in candidates and any(t.params == default for t in complete):
+        candidates.append(dict(default))
+    times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
+    for r in range(rounds):
+        order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
+        for i in order:
+            if i in times:
+                try:
+                    times[i].append(evaluate(candidates[i]))
+                except TrialFailed:
+                    del times[i]
+    medians = {i: statistics.median(ts) for i, ts in times.items()}
+    if not medians:
+        return result
+    best = min(medians, key=lambda i: (medians[i], i))  # ties: the study's order
+    default_i = next((i for i in medians if candidates[i] == default), None)
+    return dataclasses.replace(
+        result,
+        meta=candidates[best],
+        time_us=medians[best],
+        default_time_us=medians[default_i] if default_i is not None else result.default_time_us,
+        confirm_rounds=rounds,
+    )
+
+
 def write_results(
     out_dir: Path, arch: str, family: str, results: list[StudyResult], env: dict,
     sampler: str, n_trials: int,
@@ -421,6 +483,8 @@ def write_results(
         entry = {"meta": r.meta, "time_us": round(r.time_us, 4), "trials": r.trials,
                  "failed_trials": r.failed}  # fmt: skip
         entry["default_time_us"] = round(r.default_time_us or r.time_us, 4)
+        if r.confirm_rounds:
+            entry["confirm_rounds"] = r.confirm_rounds
         entries.setdefault(r.variant, {})[r.bucket] = entry
     doc = {
         "schema_version": configs.SCHEMA_VERSION,
