@@ -369,8 +369,8 @@ def tune_cmd(
     confirm: Annotated[
         int,
         typer.Option(
-            help="Re-time each study's best N configs and the default in 3 alternated "
-            "rounds and keep the lowest median (0: keep the best single trial).",
+            help="Re-time each study's best N configs (all, in a study of 8 or fewer) and "
+            "the default in 3 alternated rounds; keep the lowest median (0: the best trial).",
             min=0,
         ),
     ] = 3,

@@ -391,3 +391,34 @@ def test_confirm_drops_a_candidate_that_fails_now(storage):
     r = tuner.confirm(SPEC, BUCKET, storage, lambda m: pytest.fail("timed"), top=0)
     assert r.meta == best and r.confirm_rounds == 0
     assert tuner.confirm(SPEC, {"num_tokens": 16}, storage, fake_time) is None  # no study
+
+
+def test_confirm_retimes_every_config_of_a_small_study(storage, monkeypatch):
+    """In a small study (few feasible points) every config is re-timed, so the best config
+    wins even when its own single trial was unlucky."""
+    default = SPEC.default_meta(**BUCKET)
+
+    def cost(meta):  # fake_time, with the default made slow so that it cannot win
+        return fake_time(meta) + (50.0 if meta == default else 0.0)
+
+    true_best = min(SPACE.feasible(SPEC), key=cost)
+    calls = []
+
+    def unlucky(meta):  # the best config reads 100 us slower the first time only
+        calls.append(dict(meta))
+        slow = meta == true_best and calls.count(true_best) == 1
+        return cost(meta) + (100.0 if slow else 0.0)
+
+    r = tuner.run_study(SPEC, BUCKET, SPACE, unlucky, storage=storage, sampler="grid",
+                        n_trials=1000)  # fmt: skip
+    assert r.meta != true_best
+    distinct = len({json.dumps(m, sort_keys=True) for m in calls})
+    assert distinct > tuner.CONFIRM_ALL  # so by default only the best 3 (and the default) ...
+    calls.clear()
+    c = tuner.confirm(SPEC, BUCKET, storage, unlucky, top=3, rounds=3)
+    assert c.meta != true_best and len(calls) == 3 * 4  # ... which miss it
+    monkeypatch.setattr(tuner, "CONFIRM_ALL", distinct)  # a study this small: all re-timed
+    calls.clear()
+    c = tuner.confirm(SPEC, BUCKET, storage, unlucky, top=3, rounds=3)
+    assert c.meta == true_best and c.time_us == cost(true_best)
+    assert len(calls) == 3 * distinct

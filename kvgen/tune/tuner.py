@@ -409,6 +409,9 @@ def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     )  # fmt: skip
 
 
+CONFIRM_ALL = 8  # studies of this many distinct configs or fewer: re-time every one
+
+
 def confirm(
     spec,
     bucket: dict[str, int],
@@ -420,6 +423,8 @@ def confirm(
 ) -> StudyResult | None:
     """Re-time the study's ``top`` best distinct configs and the default, ``rounds`` times each
     in alternated order (forward, backward, ...), and return the result with the lowest median.
+    A study of at most ``CONFIRM_ALL`` distinct configs (a small bucket's few feasible points)
+    has all of them re-timed: one unlucky trial must not hide the best config either.
 
     The study's trial values are left as they are. A candidate that fails now (a wrong result,
     a crash) is dropped. None when there is no study; the study's own result when it has no
@@ -436,8 +441,10 @@ def confirm(
                 if t.state == optuna.trial.TrialState.COMPLETE]  # fmt: skip
     candidates: list[dict[str, Any]] = []
     for t in sorted(complete, key=lambda t: t.value):
-        if t.params not in candidates and len(candidates) < top:
+        if t.params not in candidates:
             candidates.append(dict(t.params))
+    if len(candidates) > max(top, CONFIRM_ALL):
+        candidates = candidates[:top]
     if default not in candidates and any(t.params == default for t in complete):
         candidates.append(dict(default))
     times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
