@@ -437,8 +437,7 @@ def confirm(
     result = summarize(spec, bucket, study, default)
     if result.meta is None or top <= 0 or rounds <= 0:
         return result
-    complete = [t for t in counted(study.get_trials(deepcopy=False, states=_FINISHED))
-                if t.state == optuna.trial.TrialState.COMPLETE]  # fmt: skip
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     candidates: list[dict[str, Any]] = []
     for t in sorted(complete, key=lambda t: t.value):
         if t.params not in candidates:
