@@ -319,7 +319,11 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
 
     journal = str(tmp_path / "tune.journal")
     log = tmp_path / "evals.log"
-    _prepare(journal, "tpe", 12)
+    store = _prepare(journal, "tpe", 12)
+    # What a worker interrupted between taking a trial and naming itself on it leaves behind
+    # (CI saw one): a RUNNING trial that no worker's name finds.
+    orphan = _study(store, BUCKETS[0])
+    orphan._storage.create_new_trial(orphan._study_id)
     plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
                          n_trials=12, evaluator=FAKE)  # fmt: skip
     (tmp_path / "plan.pkl").write_bytes(pickle.dumps(plan))

@@ -152,11 +152,22 @@ def run_workers(
                     p.kill()
                     p.wait()
                 _fail_trials_of(plan, storage, worker_id(p.pid))
+            # A worker interrupted between taking a trial and naming itself on it leaves a
+            # RUNNING trial that no worker's name finds.
+            _fail_orphans(plan, storage)
             log("interrupted: the workers are stopped; the same command resumes the studies")
             raise
         for t in pumps:
             t.join(timeout=5)
+    _fail_orphans(plan, storage)
+    return [exits[d] for d in devices]
+
+
+def _fail_orphans(plan: Plan, storage) -> None:
+    """After every worker of this host has stopped: fail the trials no live process runs."""
     import optuna
+
+    from kvgen.tune import tuner
 
     for spec, bucket in plan.jobs:
         study = tuner.load_study(spec, bucket, storage)
@@ -172,7 +183,6 @@ def run_workers(
             # A journal file is this host's alone: a trial still RUNNING now has no live
             # process (one that died between taking a trial and naming itself on it).
             tuner.fail_running(study, "interrupted: its worker died")
-    return [exits[d] for d in devices]
 
 
 def _pump(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:
