@@ -108,3 +108,11 @@ def test_verify_decode_variant():
     result = runner.invoke(app, ["verify", name])
     assert result.exit_code == 0, result.output
     assert "1 passed, 0 failed" in result.output
+
+
+def test_verify_every_decode_variant():
+    # Each variant on a cache its launcher accepts (the tma variant needs whole tiles a page).
+    result = runner.invoke(app, ["verify", "mla_decode"])
+    assert result.exit_code == 0, result.output
+    n = len(registry.variants(ARCH, TARGET, "mla_decode"))
+    assert f"{n} passed, 0 failed" in result.output

@@ -79,6 +79,27 @@ def test_variant_unequal_lengths(spec, kernel, policy, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, **kernel)
 
 
+@pytest.mark.parametrize("spec", [s for s in VARIANTS if s.variant != "portable"], ids=_kid)
+def test_hopper_launchers_refuse_caches_their_kernels_cannot_read(spec, device):
+    """A direct call of a generated launcher with a cache its kernel cannot read (a page that
+    is not a multiple of the tma variant's tile; rows not 16-byte aligned for the cp.async of
+    the wgmma variant) raises ValueError instead of returning wrong output."""
+    q, k, t, sl = _problem([70, 0, 130], 16, 3, 1, spec.head_dim, DTYPES[spec.dtype], device)
+    meta, splits = get_mla_metadata(sl, 3, 1)
+    mp = spec.default_meta(rows=3)
+    if spec.variant == "tma":
+        assert k.shape[1] % mp["block_n"], "the test needs a page that is not a multiple"
+        bad = k
+    else:  # the same rows, one element off 16-byte alignment
+        flat = torch.empty(k.numel() + 1, dtype=k.dtype, device=device)
+        flat[1:] = k.flatten()
+        bad = flat[1:].view(k.shape)
+    with pytest.raises(ValueError, match="k_cache|page_block_size"):
+        load(spec).launch(q, bad, t, sl, meta, splits, 0.1, False, **mp)
+    # the op takes another variant for the same cache, and is right
+    _check(q, bad, t, sl, spec.head_dim_v)
+
+
 Q_READERS = [(s, kw) for s, kw in _kernels(VARIANTS) if s.head_dim == 576 and s.dtype == "bf16"
              and (s.variant == "tma" or kw.get("roles"))]  # fmt: skip
 

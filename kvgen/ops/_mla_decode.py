@@ -14,8 +14,8 @@ from kvgen.ops._mla_metadata import METADATA_SIZE
 
 
 @cache
-def _launcher(spec):
-    return load(spec).launch
+def _module(spec):
+    return load(spec)
 
 
 def flash_mla_with_kvcache(
@@ -105,7 +105,7 @@ def flash_mla_with_kvcache(
     spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k,
                    s_q * h_q)  # fmt: skip
     meta_p = runtime.meta_params(spec, rows=s_q * h_q)
-    return _launcher(spec)(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)
+    return _module(spec).launch(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)
 
 
 @cache
@@ -116,24 +116,28 @@ def _spec(cls, *fields):
 def _choose(cls, d, dv, dtype, arch, target, k, rows):
     """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
     Hopper variant (tma, wgmma) only where it has been tuned on this arch (tuning checks every
-    candidate against the reference on the GPU); the portable one otherwise."""
+    candidate against the reference on the GPU) and its launcher accepts the cache (page size,
+    strides, alignment: its ``check_cache``); the portable one otherwise."""
     from kvgen.families.mla_decode import available
 
     portable = _spec(cls, d, dv, dtype, "portable", arch, target)
-    others = []
-    if available("tma", arch, target):
-        tma = _spec(cls, d, dv, dtype, "tma", arch, target)
-        block_n = runtime.meta_params(tma, rows=rows)["block_n"]
-        rows_contiguous = k.stride(1) == d and k.stride(0) == k.shape[1] * d
-        aligned = k.data_ptr() % 16 == 0 and (d * k.element_size()) % 16 == 0
-        if k.shape[1] % block_n == 0 and rows_contiguous and aligned:
-            others.append(tma)
-    # wgmma: cp.async copies 16-byte pieces, which needs the cache's pointer 16-byte aligned and
-    # its strides multiples of 16 elements (what Triton specialises a launch on).
-    if (available("wgmma", arch, target) and k.data_ptr() % 16 == 0
-            and k.stride(0) % 16 == 0 and k.stride(1) % 16 == 0):  # fmt: skip
-        others.append(_spec(cls, d, dv, dtype, "wgmma", arch, target))
+    others = [
+        spec
+        for v in ("tma", "wgmma")
+        if available(v, arch, target)
+        for spec in [_spec(cls, d, dv, dtype, v, arch, target)]
+        if _accepts(spec, k, rows)
+    ]
     return _tuned_winner(portable, others, rows)
+
+
+def _accepts(spec, k, rows) -> bool:
+    block_n = runtime.meta_params(spec, rows=rows)["block_n"]
+    try:
+        _module(spec).check_cache(k, block_n)
+    except ValueError:
+        return False
+    return True
 
 
 def _tuned_winner(portable, others, rows):
