@@ -1,8 +1,9 @@
-"""The ``kvgen`` command line: list, gen, verify, bench."""
+"""The ``kvgen`` command line: list, gen, verify, bench, tune, show."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(
     name="kvgen",
@@ -18,10 +20,66 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help text, re-wrapped to the terminal (rich's keeps the docstrings' line breaks and
+    # cuts long option texts when stdout is not a terminal).
+    rich_markup_mode=None,
 )
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+# Markup off: names, paths and error messages (with their [brackets]) print as they are; styles
+# come from Text objects only.
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
+
+def _console(wide: bool = False) -> Console:
+    """stdout: tables at their full width when stdout is not a terminal (a file, a pipe) or
+    with --wide, so that no name or value is cut."""
+    if wide or not sys.stdout.isatty():
+        return Console(width=100_000, markup=False, highlight=False)
+    return Console(markup=False, highlight=False)
+
+
+def _fail(message: object, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` (never parsed as markup) to stderr; raise the returned Exit."""
+    err.print(Text.assemble(("error: ", "bold red"), str(message)))
+    return typer.Exit(code)
+
+
+def _print_json(doc: object) -> None:
+    """JSON on stdout; non-finite numbers (an infinite error) as null."""
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    print(json.dumps(clean(doc), indent=2, sort_keys=True, allow_nan=False))
+
+
+def _version(value: bool) -> None:
+    if value:
+        import kvgen
+
+        print(f"kvgen {kvgen.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Generate, verify, benchmark and tune Triton kernels for quantized paged KV caches."""
+
+
+WideOpt = Annotated[
+    bool, typer.Option("--wide", help="Full-width tables on a terminal too (never cut a name).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 ArchOpt = Annotated[
     str | None,
     typer.Option("--arch", help="Target arch (sm80, sm89, sm90, sm100). Default: this machine's."),
@@ -46,21 +104,32 @@ def _use_interpreter_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _arch(arch: str, hint: str = "ARCH") -> str:
+    """``arch`` if kvgen knows it; else the usage error every command gives (exit 2)."""
+    from kvgen.codegen.spec import ARCHS
+
+    if arch not in ARCHS:
+        raise typer.BadParameter(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}",
+                                 param_hint=hint)  # fmt: skip
+    return arch
+
+
 def _target(arch: str | None, target: str | None) -> tuple[str, str]:
-    from kvgen.codegen.spec import ARCHS, TARGETS
+    from kvgen.codegen.spec import TARGETS
     from kvgen.runtime import local_target
 
     local_arch, local_tgt = local_target()
-    arch = arch or local_arch
+    arch = _arch(arch or local_arch, "--arch")
     target = target or local_tgt
-    if arch not in ARCHS:
-        raise typer.BadParameter(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
     if target not in TARGETS:
-        raise typer.BadParameter(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
+        raise typer.BadParameter(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}",
+                                 param_hint="--target")  # fmt: skip
     return arch, target
 
 
 def _specs(names, arch, target):
+    """The specs ``names`` name (every variant of arch/target when none): a full variant name
+    is taken with the arch and target it spells, family names with ``arch`` and ``target``."""
     from kvgen import registry
 
     if not names:
@@ -68,8 +137,7 @@ def _specs(names, arch, target):
     try:
         return registry.lookup(names, arch, target)
     except KeyError as exc:
-        err.print(f"[red]error:[/] {exc.args[0]}")
-        raise typer.Exit(2) from None
+        raise _fail(exc.args[0]) from None
 
 
 @app.command("list")
@@ -77,6 +145,7 @@ def list_cmd(
     arch: ArchOpt = None,
     target: TargetOpt = None,
     family: Annotated[str | None, typer.Option(help="Only this kernel family.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Print the name of every variant the registry can generate, one per line."""
     _use_interpreter_without_gpu()
@@ -84,11 +153,12 @@ def list_cmd(
 
     arch, target = _target(arch, target)
     if family is not None and family not in registry.families():
-        err.print(
-            f"[red]error:[/] unknown family {family!r}; known: {', '.join(registry.families())}"
-        )
-        raise typer.Exit(2)
-    for spec in registry.variants(arch, target, family):
+        raise _fail(f"unknown family {family!r}; known: {', '.join(registry.families())}")
+    specs = registry.variants(arch, target, family)
+    if as_json:
+        _print_json([{"name": s.name, "family": s.family, "fields": s.fields()} for s in specs])
+        return
+    for spec in specs:
         print(spec.name)
 
 
@@ -101,7 +171,11 @@ def gen_cmd(
     arch: ArchOpt = None,
     target: TargetOpt = None,
 ) -> None:
-    """Write the generated source of variants into a folder, for reading or review."""
+    """Write the generated source of variants into a folder, for reading or review.
+
+    A full variant name generates that variant whatever this machine is (its name says its
+    arch and target); --arch and --target choose the variants of family names.
+    """
     _use_interpreter_without_gpu()
     from kvgen.codegen import render, write_source
 
@@ -127,16 +201,17 @@ def verify_cmd(
             "instead (to pick a format).",
         ),
     ] = False,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Run every variant against the pure-torch reference on this machine.
 
-    On a machine without a GPU the kernels run in Triton's CPU interpreter.
+    On a machine without a GPU the kernels run in Triton's CPU interpreter. Exits 1 when a
+    variant fails.
     """
     _use_interpreter_without_gpu()
-    import torch
-
     if accuracy:
-        _accuracy()
+        _accuracy(as_json, wide)
         return
 
     from kvgen.verify import verify
@@ -144,36 +219,51 @@ def verify_cmd(
     arch, target = _target(None, None)
     device = "cuda" if target == "gpu" else "cpu"
     specs = _specs(names, arch, target)
-    table = Table(title=f"kvgen verify ({arch}, {target})")
-    for col in ("variant", "result", "mismatched", "max error", "detail"):
-        table.add_column(col, justify="right" if col in ("mismatched", "max error") else "left")
-    failed = 0
-    with console.status("verifying") as status:
+    elsewhere = [s.name for s in specs if (s.arch, s.target) != (arch, target)]
+    if elsewhere:
+        raise _fail(f"this machine runs {arch}/{target} variants; cannot verify "
+                    f"{', '.join(elsewhere)}")  # fmt: skip
+    results = []
+    with err.status("verifying") as status:
         for i, spec in enumerate(specs, 1):
             status.update(f"[{i}/{len(specs)}] {spec.name}")
-            r = verify(spec, device)
-            failed += not r.passed
+            results.append(verify(spec, device))
+    failed = sum(not r.passed for r in results)
+    if as_json:
+        import dataclasses
+
+        _print_json({"arch": arch, "target": target, "passed": len(results) - failed,
+                     "failed": failed,
+                     "results": [dataclasses.asdict(r) for r in results]})  # fmt: skip
+    else:
+        table = Table(title=f"kvgen verify ({arch}, {target})")
+        for col in ("variant", "result", "mismatched", "max error", "detail"):
+            table.add_column(col, justify="right" if col in ("mismatched", "max error") else "left")
+        for r in results:
             if not quiet or not r.passed:
                 table.add_row(
                     r.name,
-                    "[green]pass[/]" if r.passed else "[red]FAIL[/]",
+                    Text("pass", "green") if r.passed else Text("FAIL", "bold red"),
                     str(r.mismatched),
                     f"{r.max_error:.3g}",
                     r.detail,
                 )
-    if table.row_count:
-        console.print(table)
-    console.print(f"{len(specs) - failed} passed, {failed} failed")
-    del torch
+        out = _console(wide)
+        if table.row_count:
+            out.print(table)
+        out.print(f"{len(results) - failed} passed, {failed} failed")
     if failed:
         raise typer.Exit(1)
 
 
-def _accuracy() -> None:
+def _accuracy(as_json: bool, wide: bool) -> None:
     from kvgen.verify import accuracy_table
 
-    with console.status("quantizing"):
+    with err.status("quantizing"):
         rows = accuracy_table()
+    if as_json:
+        _print_json(rows)
+        return
     data_names = list(dict.fromkeys(r["data"] for r in rows))
     table = Table(title="quantize -> dequantize: SNR dB (max |error| / row absmax)")
     table.add_column("format")
@@ -181,9 +271,10 @@ def _accuracy() -> None:
         table.add_column(d, justify="right")
     for fmt in dict.fromkeys(r["format"] for r in rows):
         cells = {r["data"]: r for r in rows if r["format"] == fmt}
-        table.add_row(fmt, *(f"{cells[d]['snr_db']:.1f} ({cells[d]['max_err_amax']:.3f})"
-                             for d in data_names))  # fmt: skip
-    console.print(table)
+        table.add_row(
+            fmt, *(f"{cells[d]['snr_db']:.1f} ({cells[d]['max_err_amax']:.3f})" for d in data_names)
+        )
+    _console(wide).print(table)
 
 
 @app.command("bench")
@@ -213,19 +304,37 @@ def bench_cmd(
             "gained (the decode's are in `kvgen show`, from its tuning)."
         ),
     ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw the results to this PNG: GB/s against tokens per store op with "
+            "the copy ceiling, decode TFLOP/s against heads with the matmul ceiling "
+            "(needs matplotlib: pip install 'kvgen[plot]').",
+        ),
+    ] = None,
+    wide: WideOpt = False,
 ) -> None:
     """Time the store ops with CUDA graphs against a same-run device-to-device copy.
 
     MXFP4: latent 512, group 32, bf16, block 64. Per-token-head: 8 heads x 128 and 1 head x 576,
-    bf16, block 16 (int4 with 32 channels per scale).
+    bf16, block 16 (int4 with 32 channels per scale). Exits 1 when a result is wrong.
     """
     import torch
 
+    known_ops = ("mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "fp8e5m2", "int4", "decode")
+    wanted = [o.strip() for o in ops.split(",") if o.strip()]
+    unknown = sorted(set(wanted) - set(known_ops))
+    if unknown:
+        raise _fail(f"unknown ops {', '.join(unknown)}; known: {', '.join(known_ops)}")
+    if plot is not None:
+        from kvgen.bench import plots
+
+        plots.require_matplotlib()  # before minutes of timing, not after
     if not torch.cuda.is_available():
-        err.print(
-            "[red]error:[/] kvgen bench needs a CUDA GPU (timing the interpreter means nothing)"
-        )
-        raise typer.Exit(2)
+        raise _fail("kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
+    import itertools
+
     from kvgen.bench import harness, store
 
     sizes = [int(t) for t in tokens.split(",") if t.strip()]
@@ -236,6 +345,7 @@ def bench_cmd(
     copy_bw = max(copies.values())
     for how, bw in copies.items():
         err.print(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
+    out = _console(wide)
     table = Table(title=f"kvgen bench on {env['device']} (copy {copy_bw / 1e9:.0f} GB/s)")
     cols = ["variant", "tokens", "graph us", "eager us", "GB/s", "x copy BW", "copy us",
             "x copy time", "ok"]  # fmt: skip
@@ -250,14 +360,6 @@ def bench_cmd(
             f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)"
         )
 
-    import itertools
-
-    wanted = [o.strip() for o in ops.split(",") if o.strip()]
-    unknown = set(wanted) - {"mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "fp8e5m2", "int4",
-                             "decode"}  # fmt: skip
-    if unknown:
-        err.print(f"[red]error:[/] unknown ops {sorted(unknown)}")
-        raise typer.Exit(2)
     cases = []
     if "mxfp4" in wanted:
         cases.append(store.mxfp4_cases(device, sizes, latent, group))
@@ -270,13 +372,14 @@ def bench_cmd(
     for r in rows:
         cells = [r.variant, str(r.num_tokens), f"{r.graph_us:.2f}", f"{r.eager_us:.2f}",
                  f"{r.gbps:.0f}", f"{r.bw_ratio:.3f}", f"{r.copy_graph_us:.2f}",
-                 f"{r.latency_ratio:.2f}", "yes" if r.correct else "[red]NO[/]"]  # fmt: skip
+                 f"{r.latency_ratio:.2f}", _ok(r.correct)]  # fmt: skip
         if compare_default:
             cells.insert(3, f"{r.default_graph_us:.2f}")
         table.add_row(*cells)
-    console.print(table)
-    console.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
-    decode_rows = []
+    if rows:
+        out.print(table)
+        out.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
+    decode_rows, mm = [], None
     if "decode" in wanted:
         from kvgen.bench import decode
 
@@ -297,25 +400,33 @@ def bench_cmd(
         for r in decode_rows:
             dt.add_row(r.variant, r.lengths, str(r.heads), f"{r.graph_us:.1f}", f"{r.gbps:.0f}",
                        f"{r.tflops:.0f}", f"{r.bw_ratio:.2f}", f"{r.mm_ratio:.2f}",
-                       "yes" if r.correct else "[red]NO[/]")  # fmt: skip
-        console.print(dt)
-        console.print("goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
-                      "mixed within 10% of equal")  # fmt: skip
-    if json_out is not None:
-        from dataclasses import asdict
+                       _ok(r.correct))  # fmt: skip
+        out.print(dt)
+        out.print("goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
+                  "mixed within 10% of equal")  # fmt: skip
+    from dataclasses import asdict
 
+    doc = {
+        "env": env,
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+        "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
+        "matmul_TFLOPs": None if mm is None else mm / 1e12,
+        "results": [asdict(r) for r in rows],
+        "decode": [asdict(r) for r in decode_rows],
+    }
+    if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "env": env,
-            "copy_bandwidth_GBps": copy_bw / 1e9,
-            "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
-            "results": [asdict(r) for r in rows],
-            "decode": [asdict(r) for r in decode_rows],
-        }
         json_out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
         err.print(f"wrote {json_out}")
+    if plot is not None:
+        plots.bench_plot(doc, plot)
+        err.print(f"wrote {plot}")
     if not all(r.correct for r in [*rows, *decode_rows]):
         raise typer.Exit(1)
+
+
+def _ok(correct: bool) -> Text:
+    return Text("yes") if correct else Text("NO", "bold red")
 
 
 @app.command("tune")
@@ -356,7 +467,8 @@ def tune_cmd(
             "--jobs",
             "-j",
             help="Processes that compile each variant's candidates "
-            "up front (timing stays serial). Default: CPU count - 1; 1: off.",
+            "up front (timing stays serial); 1: off.",
+            show_default="CPU count - 1",
         ),
     ] = 0,
     gpus: Annotated[
@@ -388,14 +500,13 @@ def tune_cmd(
 
     import torch
 
+    arch = _arch(arch, "--arch")
     try:
         import optuna  # noqa: F401
     except ImportError:
-        err.print("[red]error:[/] kvgen tune needs optuna: pip install 'kvgen[tune]'")
-        raise typer.Exit(2) from None
+        raise _fail("kvgen tune needs optuna: pip install 'kvgen[tune]'") from None
     if not torch.cuda.is_available():
-        err.print("[red]error:[/] kvgen tune needs a CUDA GPU")
-        raise typer.Exit(2)
+        raise _fail("kvgen tune needs a CUDA GPU")
     from kvgen._resources import tuned_configs_dir
     from kvgen.bench import harness
     from kvgen.codegen.render import cache_root
@@ -405,8 +516,7 @@ def tune_cmd(
 
     here, _ = local_target()
     if here != arch and not force:
-        err.print(f"[red]error:[/] this GPU is {here}, not {arch}; pass --force to tune anyway")
-        raise typer.Exit(2)
+        raise _fail(f"this GPU is {here}, not {arch}; pass --force to tune anyway")
     specs = [s for s in _specs(names, arch, "gpu") if problems.tunable(s.family)]
     if not names:  # by default: the variants the benchmarks use
         specs = [s for s in specs if _default_tuned(s)] + _bench_only_specs(arch)
@@ -433,8 +543,7 @@ def tune_cmd(
 
     devices = parallel.visible_devices()
     if gpus > len(devices):
-        err.print(f"[red]error:[/] --gpus {gpus}, but {len(devices)} GPU(s) are visible")
-        raise typer.Exit(2)
+        raise _fail(f"--gpus {gpus}, but {len(devices)} GPU(s) are visible")
     devices = devices[: gpus or len(devices)]
     err.print(
         f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}, "
@@ -473,9 +582,7 @@ def tune_cmd(
                 deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
             )  # fmt: skip
             t0 = time.monotonic()
-            exits = parallel.run_workers(
-                plan, devices, log=lambda line: err.print(line, markup=False, highlight=False)
-            )
+            exits = parallel.run_workers(plan, devices, log=err.print)
             dead = [e for e in exits if e.returncode != 0]
             err.print(f"workers done in {time.monotonic() - t0:.1f} s"
                       + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
@@ -574,39 +681,60 @@ def _heads_fit(spec, heads: int) -> bool:
 @app.command("show")
 def show_cmd(
     arch: Annotated[str | None, typer.Argument(help="Arch (default: this machine's).")] = None,
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="Also draw tuned against default time per bucket to this PNG (needs "
+            "matplotlib: pip install 'kvgen[plot]').",
+        ),
+    ] = None,
 ) -> None:
-    """Print the tuned configs of an arch as a table."""
-    import json
+    """Print the tuned configs of an arch as a table.
 
+    Where an op chooses between variants by their tuned times (the MLA decode's portable, tma
+    and wgmma), the "used" column marks the variant it takes at each bucket.
+    """
     from kvgen import configs
-    from kvgen._resources import tuned_configs_dir
 
-    arch = arch or _target(None, None)[0]
-    folders = [tuned_configs_dir() / arch]
-    override = os.environ.get(configs.OVERRIDE_ENV)
-    if override:
-        folders.insert(0, Path(override) / arch)
-    files = [p for f in folders if f.is_dir() for p in sorted(f.glob("*.json"))]
+    arch = _arch(arch) if arch is not None else _target(None, None)[0]
+    if plot is not None:
+        from kvgen.bench import plots
+
+        plots.require_matplotlib()
+    files = configs.files(arch)
     if not files:
-        err.print(f"no tuned configs for {arch} (looked in {', '.join(map(str, folders))})")
-        raise typer.Exit(1)
+        raise _fail(f"no tuned configs for {arch} (looked in "
+                    f"{', '.join(map(str, configs.folders(arch)))})", code=1)  # fmt: skip
+    docs = []
     for path in files:
-        doc = json.loads(path.read_text())
-        errors = configs.validate(doc, arch, path.stem)
+        doc, errors = configs.read(path, arch)
         if errors:
-            err.print(f"[yellow]{path}: invalid ({'; '.join(errors[:3])})[/]")
+            err.print(Text(f"{path}: invalid ({'; '.join(errors[:3])})", "yellow"))
             continue
-        prov, env = doc["provenance"], doc["env"]
-        table = Table(title=f"{path} ({env['device']}, {prov['sampler']}, {prov['date']})")
-        for col in ("variant", "bucket", "meta", "us", "default us", "speedup"):
-            table.add_column(col, justify="right" if "us" in col or col == "speedup" else "left")
-        for variant, buckets in sorted(doc["entries"].items()):
-            for key, e in buckets.items():
-                meta = " ".join(f"{k}={v}" for k, v in sorted(e["meta"].items()))
-                table.add_row(variant, key, meta, f"{e['time_us']:.2f}",
-                              f"{e['default_time_us']:.2f}",
-                              f"{e['default_time_us'] / e['time_us']:.2f}")  # fmt: skip
-        console.print(table)
+        docs.append({"file": str(path), "family": doc["family"], "env": doc["env"],
+                     "provenance": doc["provenance"], "rows": configs.rows(doc)})  # fmt: skip
+    if as_json:
+        _print_json({"arch": arch, "files": docs})
+    else:
+        out = _console(wide)
+        for d in docs:
+            prov, env = d["provenance"], d["env"]
+            table = Table(title=f"{d['file']} ({env['device']}, {prov['sampler']}, {prov['date']})")
+            for col in ("variant", "bucket", "meta", "us", "default us", "speedup", "used"):
+                right = "us" in col or col == "speedup"
+                table.add_column(col, justify="right" if right else "left")
+            for r in d["rows"]:
+                meta = " ".join(f"{k}={v}" for k, v in sorted(r["meta"].items()))
+                table.add_row(r["variant"], r["bucket"], meta, f"{r['time_us']:.2f}",
+                              f"{r['default_time_us']:.2f}", f"{r['speedup']:.2f}",
+                              "yes" if r["used"] else "")  # fmt: skip
+            out.print(table)
+    if plot is not None:
+        plots.show_plot(arch, docs, plot)
+        err.print(f"wrote {plot}")
 
 
 def main() -> None:

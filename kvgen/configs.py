@@ -86,34 +86,104 @@ def write(path: Path, doc: dict) -> None:
     write_source(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def _candidates(arch: str, family: str) -> list[Path]:
-    paths = []
+def folders(arch: str) -> list[Path]:
+    """Where the tuned configs of ``arch`` are looked for, first match first: the folder
+    ``$KVGEN_TUNED_CONFIGS/<arch>`` (when set), then the package's."""
+    out = []
     override = os.environ.get(OVERRIDE_ENV)
     if override:
-        paths.append(Path(override) / arch / f"{family}.json")
-    paths.append(tuned_configs_dir() / arch / f"{family}.json")
-    return paths
+        out.append(Path(override) / arch)
+    out.append(tuned_configs_dir() / arch)
+    return out
+
+
+def _candidates(arch: str, family: str) -> list[Path]:
+    return [folder / f"{family}.json" for folder in folders(arch)]
+
+
+def files(arch: str) -> list[Path]:
+    """Every tuned-config file of ``arch`` (for ``kvgen show``), in search order."""
+    return [p for f in folders(arch) if f.is_dir() for p in sorted(f.glob("*.json"))]
+
+
+def read(path: Path, arch: str | None = None) -> tuple[dict | None, list[str]]:
+    """A file's document and what is wrong with it (``validate``; unreadable: no document)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return None, [f"unreadable: {exc}"]
+    return doc, validate(doc, arch, path.stem)
+
+
+def rows(doc: dict) -> list[dict[str, Any]]:
+    """A valid document's entries as rows (variant, bucket, meta, times, speed-up), with
+    ``used``: whether the op takes this variant at this bucket. Where a family's op chooses
+    between variants by their tuned times (its spec class's ``chosen_by_tuning`` names the
+    field that differs), that is the fastest of them at the bucket; otherwise every entry is
+    used."""
+    from kvgen import registry
+
+    cls = registry.spec_class(doc["family"])
+    axis = getattr(cls, "chosen_by_tuning", None) if cls is not None else None
+    out = []
+    for variant, buckets in sorted(doc["entries"].items()):
+        group = variant
+        if axis is not None:
+            try:
+                fields = cls.from_name(variant).fields()
+                group = tuple(sorted((k, v) for k, v in fields.items() if k != axis))
+            except ValueError:  # a name this kvgen cannot parse: its own group
+                pass
+        for key, e in buckets.items():
+            out.append(
+                {
+                    "variant": variant,
+                    "bucket": key,
+                    "meta": e["meta"],
+                    "time_us": e["time_us"],
+                    "default_time_us": e["default_time_us"],
+                    "speedup": e["default_time_us"] / e["time_us"],
+                    "group": group,
+                }
+            )
+    best: dict[tuple, float] = {}
+    for r in out:
+        k = (r["group"], r["bucket"])
+        best[k] = min(best.get(k, math.inf), r["time_us"])
+    for r in out:
+        r["used"] = r["time_us"] == best[(r.pop("group"), r["bucket"])]
+    return out
 
 
 @cache
-def table(arch: str, family: str, override: str | None = None) -> dict[str, dict[str, dict]]:
-    """variant -> bucket key -> entry, from the first readable, valid file; {} when none."""
+def _load(arch: str, family: str, override: str | None) -> tuple[Path | None, dict]:
+    """(file, variant -> bucket key -> entry) from the first readable, valid file;
+    (None, {}) when none."""
     del override  # part of the cache key only: a changed override folder reloads
     for path in _candidates(arch, family):
         if not path.exists():
             continue
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            log.warning("kvgen: ignoring tuned config %s (unreadable: %s)", path, exc)
-            continue
-        errors = validate(doc, arch, family)
+        doc, errors = read(path, arch)
         if errors:
             log.warning("kvgen: ignoring tuned config %s: %s", path, "; ".join(errors[:3]))
             continue
         log.info("kvgen: tuned configs for %s/%s from %s", arch, family, path)
-        return doc["entries"]
-    return {}
+        return path, doc["entries"]
+    return None, {}
+
+
+def table(arch: str, family: str, override: str | None = None) -> dict[str, dict[str, dict]]:
+    """variant -> bucket key -> entry, from the first readable, valid file; {} when none."""
+    return _load(arch, family, override)[1]
+
+
+def tuned_name(spec) -> str:
+    """The name ``spec``'s entries have in the tuned JSON: its own, or for the interpreter
+    target its GPU twin's (the interpreter runs the same kernels, with the same
+    meta-parameters; only GPUs are tuned)."""
+    if spec.target == "gpu":
+        return spec.name
+    return spec.name.removesuffix("-" + spec.target) + "-gpu"
 
 
 def nearest_bucket(keys: list[str], size: dict[str, int]) -> str | None:
@@ -138,21 +208,32 @@ def _once(key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
         log.log(level, msg, *args)
 
 
+def _debug_once(spec, size: dict[str, int], how: str, meta: dict[str, int]) -> None:
+    # One line per specialisation and bucket (or fallback) at DEBUG: which config a call used.
+    _once(f"{spec.name} {how}", "kvgen: %s at %s: %s -> %s", spec.name,
+          ",".join(f"{k}={v}" for k, v in sorted(size.items())), how, meta,
+          level=logging.DEBUG)  # fmt: skip
+
+
 @lru_cache(maxsize=4096)
 def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     size = dict(size_items)
     defaults = spec.default_meta(**size)
-    if spec.target != "gpu":
-        return defaults
-    entries = table(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV)).get(spec.name)
+    path, table_ = _load(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV))
+    name = tuned_name(spec)
+    entries = table_.get(name)
     if not entries:
+        # loud on a GPU; the interpreter runs many variants nobody tunes
+        level = logging.WARNING if spec.target == "gpu" else logging.INFO
         _once(spec.name, "kvgen: no tuned config for %s; using the template's defaults %s",
-              spec.name, defaults)  # fmt: skip
+              name, defaults, level=level)  # fmt: skip
+        _debug_once(spec, size, "no tuned entry, template defaults", defaults)
         return defaults
     key = nearest_bucket(list(entries), size)
     if key is None:
         _once(spec.name + "?", "kvgen: tuned config for %s has no bucket over %s; defaults",
-              spec.name, sorted(size))  # fmt: skip
+              name, sorted(size))  # fmt: skip
+        _debug_once(spec, size, "no bucket over these sizes, template defaults", defaults)
         return defaults
     meta = entries[key]["meta"]
     try:
@@ -165,15 +246,19 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     meta = {k: meta.get(k, defaults.get(k)) for k in set(meta) | set(space.params)}
     if not space.allows(meta):
         _once(spec.name + "#", "kvgen: tuned entry %s [%s] = %s is outside the search space of "
-              "%s; using the template's defaults", spec.name, key, meta, spec.template)  # fmt: skip
+              "%s; using the template's defaults", name, key, meta, spec.template)  # fmt: skip
+        _debug_once(spec, size, "tuned entry outside the space, template defaults", defaults)
         return defaults
+    _debug_once(spec, size, f"tuned {path} [{key}]", meta)
     return dict(meta)
 
 
 def meta_params(spec, **size: int) -> dict[str, int]:
     """Meta-parameters for ``spec`` at this problem size: tuned if known, else defaults."""
     if not use_tuned:
-        return spec.default_meta(**size)
+        meta = spec.default_meta(**size)
+        _debug_once(spec, size, f"{DISABLE_ENV}=1, template defaults", meta)
+        return meta
     return dict(_lookup(spec, tuple(sorted(size.items()))))
 
 
@@ -183,21 +268,22 @@ def tuned_time(spec, **size: int) -> float | None:
     An entry exists only for what the tuner ran and checked against the reference on a GPU,
     which is what lets the ops choose between variants by it.
     """
-    if not use_tuned or spec.target != "gpu":
+    if not use_tuned:
         return None
     return _tuned_time(spec, tuple(sorted(size.items())))
 
 
 @lru_cache(maxsize=4096)
 def _tuned_time(spec, size_items: tuple[tuple[str, int], ...]) -> float | None:
-    entries = table(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV)).get(spec.name) or {}
+    table_ = table(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV))
+    entries = table_.get(tuned_name(spec)) or {}
     key = nearest_bucket(list(entries), dict(size_items))
     return None if key is None else float(entries[key]["time_us"])
 
 
 def reset() -> None:
     """Forget loaded files and warnings (tests; a changed override folder)."""
-    table.cache_clear()
+    _load.cache_clear()
     _lookup.cache_clear()
     _tuned_time.cache_clear()
     _warned.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-from kvgen.codegen.spec import SpecError, VariantSpec
+from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec
 from kvgen.families import mla_decode, mxfp4_mla, per_token_head
 
 _FAMILY_MODULES = (mxfp4_mla, per_token_head, mla_decode)
@@ -19,6 +19,11 @@ def variants(arch: str, target: str, family: str | None = None) -> list[VariantS
 
 def families() -> list[str]:
     return sorted({s.family for s in variants("sm90", "gpu")})
+
+
+def spec_class(family: str) -> type[VariantSpec] | None:
+    """The spec class of ``family`` (None for a family this kvgen does not know)."""
+    return next((type(s) for s in variants("sm90", "gpu") if s.family == family), None)
 
 
 def _unlisted(name: str, listed: list[VariantSpec]) -> VariantSpec | str | None:
@@ -41,17 +46,27 @@ def _unlisted(name: str, listed: list[VariantSpec]) -> VariantSpec | str | None:
     return None
 
 
+def _spelled_target(name: str) -> tuple[str, str] | None:
+    """The (arch, target) a full variant name ends with (``...-sm90-gpu``), if it does."""
+    parts = name.rsplit("-", 2)
+    if len(parts) == 3 and parts[1] in ARCHS and parts[2] in TARGETS:
+        return parts[1], parts[2]
+    return None
+
+
 def lookup(names: list[str], arch: str, target: str) -> list[VariantSpec]:
     """Specs for ``names`` (variant names, listed or not, or family names); unknown names raise
-    KeyError."""
-    listed = variants(arch, target)
-    by_name = {s.name: s for s in listed}
+    KeyError. A variant name is looked up with the arch and target it spells; ``arch`` and
+    ``target`` pick the variants of family names."""
     out: list[VariantSpec] = []
     for name in names:
+        where = _spelled_target(name) or (arch, target)
+        listed = variants(*where)
+        by_name = {s.name: s for s in listed}
         if name in by_name:
             out.append(by_name[name])
             continue
-        fam = [s for s in by_name.values() if s.family == name]
+        fam = [s for s in listed if s.family == name]
         if fam:
             out.extend(fam)
             continue
@@ -62,5 +77,5 @@ def lookup(names: list[str], arch: str, target: str) -> list[VariantSpec]:
         close = difflib.get_close_matches(name, list(by_name) + families(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         why = f" ({spec})" if isinstance(spec, str) else ""
-        raise KeyError(f"no variant or family named {name!r} for {arch}/{target}{why}{hint}")
+        raise KeyError(f"no variant or family named {name!r} for {where[0]}/{where[1]}{why}{hint}")
     return out

@@ -321,10 +321,9 @@ def verify_store_kv(spec, device, tokens: int = 24, heads: int = 3, seed: int = 
 def verify_mla_decode(spec, device, seed: int = 0) -> Result:
     """Decode against the float64 reference: unequal lengths (0 and 1 included), random page
     order, causal speculative rows. ``max_error`` is the relative error of ``out``."""
+    from kvgen.codegen import load
     from kvgen.formats.mla_decode import mla_decode
     from kvgen.ops import get_mla_metadata
-
-    from kvgen.codegen import load
 
     gen = torch.Generator().manual_seed(seed)
     seqlens, s_q, h_q = [70, 0, 1, 130], 2, 3

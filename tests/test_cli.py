@@ -77,12 +77,7 @@ def test_python_dash_m():
     assert len(out.stdout.split()) == len(registry.variants(ARCH, TARGET, "store_mxfp4_mla"))
 
 
-def test_verify_accuracy_table(monkeypatch):
-    from rich.console import Console
-
-    import kvgen.cli
-
-    monkeypatch.setattr(kvgen.cli, "console", Console(width=200))
+def test_verify_accuracy_table():
     result = runner.invoke(app, ["verify", "--accuracy"])
     assert result.exit_code == 0, result.output
     for fmt in ("int8 per token-head", "fp8 e4m3", "int4 levels, 32 ch/scale", "mxfp4, group 32"):
@@ -116,3 +111,126 @@ def test_verify_every_decode_variant():
     assert result.exit_code == 0, result.output
     n = len(registry.variants(ARCH, TARGET, "mla_decode"))
     assert f"{n} passed, 0 failed" in result.output
+
+
+# --- what a new user meets: full output off a terminal, JSON, errors as written ---
+
+
+def test_tables_are_not_cut_when_stdout_is_not_a_terminal():
+    # CliRunner's stdout is not a terminal, as a file or a pipe is not.
+    result = runner.invoke(app, ["show", "sm90"])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.stdout
+    assert "mla_decode-d576-dv512-bf16-wgmma-sm90-gpu" in result.stdout
+    assert "split_factor=1" in result.stdout
+    name = f"mla_decode-d576-dv512-bf16-portable-{ARCH}-{TARGET}"
+    result = runner.invoke(app, ["verify", name])
+    assert result.exit_code == 0, result.output
+    assert name in result.stdout and "…" not in result.stdout
+
+
+def test_wide_tables_on_a_terminal(monkeypatch):
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    result = runner.invoke(app, ["show", "sm90", "--wide"])
+    assert result.exit_code == 0, result.output
+    assert "store_kv_int4_per_token_head-c32-d576-dv576-bf16-sm90-gpu" in result.stdout
+
+
+def test_json_output_parses():
+    import json
+
+    listed = json.loads(runner.invoke(app, ["list", "--json", "--family", "mla_decode"]).stdout)
+    assert [d["name"] for d in listed] == [
+        s.name for s in registry.variants(ARCH, TARGET, "mla_decode")
+    ]
+    assert all(d["family"] == "mla_decode" and "head_dim" in d["fields"] for d in listed)
+    shown = json.loads(runner.invoke(app, ["show", "sm90", "--json"]).stdout)
+    assert shown["arch"] == "sm90" and shown["files"]
+    rows = [r for f in shown["files"] for r in f["rows"]]
+    assert all({"variant", "bucket", "meta", "time_us", "used"} <= set(r) for r in rows)
+    name = f"gather_mxfp4_mla-g16-l256-bf16-paged-{ARCH}-{TARGET}"
+    result = runner.invoke(app, ["verify", "--json", name])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["passed"] == 1 and doc["failed"] == 0 and doc["results"][0]["name"] == name
+    acc = json.loads(runner.invoke(app, ["verify", "--accuracy", "--json"]).stdout)
+    assert {"format", "data", "snr_db", "max_err_amax"} <= set(acc[0])
+
+
+def test_show_marks_the_decode_variant_each_bucket_uses():
+    import json
+
+    shown = json.loads(runner.invoke(app, ["show", "sm90", "--json"]).stdout)
+    decode = [r for f in shown["files"] if f["family"] == "mla_decode" for r in f["rows"]]
+    for bucket in {r["bucket"] for r in decode}:
+        at = [r for r in decode if r["bucket"] == bucket and "-d576-dv512-bf16-" in r["variant"]]
+        used = [r for r in at if r["used"]]
+        assert len(used) == 1, (bucket, at)
+        assert used[0]["time_us"] == min(r["time_us"] for r in at)
+    # families without a choice between variants: every entry is what its op uses
+    stores = [r for f in shown["files"] if f["family"] == "store_mxfp4_mla" for r in f["rows"]]
+    assert stores and all(r["used"] for r in stores)
+    table = runner.invoke(app, ["show", "sm90"]).stdout
+    line = next(x for x in table.splitlines() if "wgmma-sm90-gpu" in x and "rows=16 " in x)
+    assert "yes" in line
+
+
+def test_bracketed_text_is_printed_as_written(monkeypatch):
+    result = runner.invoke(app, ["list", "--family", "store[x]"])
+    assert result.exit_code == 2
+    assert "unknown family 'store[x]'" in result.output
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna fails
+    result = runner.invoke(app, ["tune"])
+    assert result.exit_code == 2
+    assert "pip install 'kvgen[tune]'" in result.output
+
+    from kvgen import verify
+
+    msg = "k_scale_cache must be [num_blocks, block_size, num_kv_heads]"
+    monkeypatch.setattr(verify, "verify", lambda spec, device: verify.Result(
+        spec.name, False, 1, 1.0, msg))  # fmt: skip
+    result = runner.invoke(app, ["verify", f"mla_decode-d288-dv256-fp16-portable-{ARCH}-{TARGET}"])
+    assert result.exit_code == 1
+    assert msg in result.stdout
+
+
+def test_a_full_name_says_its_target(tmp_path):
+    # The README's example: a GPU variant generated on any machine, whatever this one runs.
+    name = "store_kv_int4_per_token_head-c32-d576-dv576-bf16-sm90-gpu"
+    result = runner.invoke(app, ["gen", "--out", str(tmp_path), name])
+    assert result.exit_code == 0, result.output
+    assert f"Variant: {name}" in (tmp_path / f"{name}.py").read_text()
+    other = "mla_decode-d576-dv512-bf16-portable-sm80-interp"
+    assert runner.invoke(app, ["gen", "--out", str(tmp_path), other]).exit_code == 0
+    assert (tmp_path / f"{other}.py").exists()
+    if TARGET == "interp":  # verify runs this machine's variants only, and says so
+        result = runner.invoke(app, ["verify", name])
+        assert result.exit_code == 2 and "cannot verify" in result.output
+
+
+def test_version():
+    import kvgen
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"kvgen {kvgen.__version__}"
+
+
+def test_unknown_arch_is_the_same_error_everywhere():
+    for args in (["show", "sm75"], ["list", "--arch", "sm75"], ["gen", "--arch", "sm75"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, args
+        assert "unknown arch 'sm75'" in result.output, args
+
+
+@pytest.mark.parametrize("command", ["tune", "verify", "bench", "show"])
+def test_help_paragraphs_are_wrapped_whole(command):
+    # Lines of one paragraph fill the width: a docstring's own line breaks are not kept.
+    result = runner.invoke(app, [command, "--help"], terminal_width=100)
+    assert result.exit_code == 0
+    body = result.stdout.split("Options:")[0].split("Arguments:")[0].splitlines()
+    for line, nxt in zip(body, body[1:], strict=False):
+        if line.strip() and nxt.strip() and not line.lstrip().startswith("Usage"):
+            assert len(line) >= 60, f"short line inside a paragraph: {line!r}"
+    if command == "tune":
+        assert "[default: (CPU count - 1)]" in " ".join(result.stdout.split())

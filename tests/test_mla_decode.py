@@ -192,6 +192,11 @@ def test_bad_arguments(device):
     bad[1, 0] = k.shape[0] + 5
     with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
         call(block_table=bad, check_block_table=True)
+    # Widths the decode does not take: a plain ValueError that says which it takes.
+    with pytest.raises(ValueError, match=r"head_dim 576 / head_dim_v 500 is not supported.*"
+                       r"power of two.*576/512") as info:  # fmt: skip
+        call(head_dim_v=500)
+    assert type(info.value) is ValueError
 
 
 def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):

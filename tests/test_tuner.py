@@ -2,6 +2,9 @@
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -240,10 +243,48 @@ def test_packaged_configs_are_used_below_the_override(override, monkeypatch, tmp
     assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
 
 
-def test_interpreter_target_uses_defaults(override):
+def test_interpreter_target_reads_the_gpu_twins_tuned_configs(override):
+    # The interpreter runs the GPU's kernels: it takes the meta-parameters tuned for them.
     _config(override)
     interp = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "interp")
-    assert configs.meta_params(interp, num_tokens=65536) == interp.default_meta(num_tokens=65536)
+    assert configs.tuned_name(interp) == SPEC.name
+    assert configs.meta_params(interp, num_tokens=65536)["rows_per_program"] == 8
+    assert configs.meta_params(interp, num_tokens=65536) == configs.meta_params(
+        SPEC, num_tokens=65536
+    )
+    assert configs.tuned_time(interp, num_tokens=65536) == configs.tuned_time(
+        SPEC, num_tokens=65536
+    )
+
+
+def test_debug_log_says_which_config_a_call_used(override, caplog):
+    _config(override)
+    with caplog.at_level(logging.DEBUG, logger="kvgen"):
+        for n in (60000, 65536, 70000):  # one bucket: one line
+            configs.meta_params(SPEC, num_tokens=n)
+        configs.meta_params(StoreMXFP4MLASpec(64, 512), num_tokens=4)  # untuned: defaults
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    tuned = [m for m in lines if m.startswith(f"kvgen: {SPEC.name} ")]
+    assert len(tuned) == 1, lines
+    assert "tuned" in tuned[0] and "[num_tokens=65536]" in tuned[0] and ".json" in tuned[0]
+    assert "rows_per_program" in tuned[0]
+    assert any("g64" in m and "template defaults" in m for m in lines), lines
+
+
+def test_kvgen_log_environment_variable_prints_debug_lines(tmp_path):
+    code = (
+        "import torch, kvgen.ops as o\n"
+        "x = torch.randn(4, 512).to(torch.bfloat16)\n"
+        "c = torch.zeros(1, 16, 272, dtype=torch.uint8)\n"
+        "o.store_mxfp4_mla(x, torch.arange(4), c)\n"
+    )
+    env = {**os.environ, "KVGEN_LOG": "debug", "TRITON_INTERPRET": "1",
+           "KVGEN_CACHE_DIR": str(tmp_path)}  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    line = [m for m in out.stderr.splitlines() if "store_mxfp4_mla-g32-l512-bf16-paged" in m]
+    assert line and line[0].startswith("DEBUG kvgen:") and "num_tokens=4" in line[0], out.stderr
 
 
 def test_constraint_language_is_closed():

@@ -28,10 +28,26 @@ def _dim_ok(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 1024
 
 
+def widths_problem(head_dim: int, head_dim_v: int) -> str | None:
+    """Why the decode cannot take these widths, in a user's words; None when it can."""
+    rope = head_dim - head_dim_v
+    if _dim_ok(head_dim) and _pow2(head_dim_v) and head_dim_v >= 16 and (rope == 0 or _pow2(rope)):
+        return None
+    return (
+        f"head_dim {head_dim} / head_dim_v {head_dim_v} is not supported: the decode takes "
+        "head_dim_v (the latent, also V) a power of two from 16 to 1024 and head_dim - "
+        "head_dim_v (the RoPE part) 0 or a power of two, head_dim at most 1024 "
+        f"(e.g. {', '.join(f'{d}/{dv}' for d, dv in WIDTHS)})"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MLADecodeSpec(VariantSpec):
     family: ClassVar[str] = "mla_decode"
     template: ClassVar[str] = "mla_decode.py.j2"
+    # flash_mla_with_kvcache takes, of the variants that accept the cache, the one whose tuned
+    # time is lowest at the bucket (kvgen show marks it).
+    chosen_by_tuning: ClassVar[str] = "variant"
 
     head_dim: int = axis("d", check=_dim_ok, doc="an int from 16 to 1024", default=576)
     head_dim_v: int = axis("dv", check=_dim_ok, doc="an int from 16 to 1024", default=512)
@@ -45,12 +61,9 @@ class MLADecodeSpec(VariantSpec):
             where = {"tma": f"{TMA_ARCHS}", "wgmma": f"{WGMMA_ARCHS} on the GPU (Gluon)"}
             raise SpecError(f"{self.family}: the {self.variant} variant needs "
                             f"{where[self.variant]}, not {self.arch}/{self.target}")  # fmt: skip
-        rope = self.head_dim - self.head_dim_v
-        if not _pow2(self.head_dim_v) or rope < 0 or (rope and not _pow2(rope)):
-            raise SpecError(
-                f"{self.family}: head_dim_v ({self.head_dim_v}) and head_dim - head_dim_v "
-                f"({rope}) must be powers of two (or 0 for no rope part)"
-            )
+        why = widths_problem(self.head_dim, self.head_dim_v)
+        if why:
+            raise SpecError(f"{self.family}: {why}")
 
     def derived(self) -> dict[str, Any]:
         # Latent channels per K chunk: all of them, or a TMA box (at most 256) for sm90.

@@ -8,14 +8,98 @@ import torch
 
 from kvgen import _dtypes, runtime
 from kvgen.codegen import load
-from kvgen.families.mla_decode import MLADecodeSpec
+from kvgen.families.mla_decode import MLADecodeSpec, widths_problem
 from kvgen.ops import _checks as check
+from kvgen.ops._library import define
 from kvgen.ops._mla_metadata import METADATA_SIZE
 
 
 @cache
 def _module(spec):
     return load(spec)
+
+
+def _check_decode(q, k, bt, sl, head_dim_v, meta, ns):
+    """Every check of the decode that needs no data (the device), or an error."""
+    check.dtype("q", q, (torch.bfloat16, torch.float16))
+    check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
+    batch, s_q, h_q, d = q.shape
+    if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
+        raise ValueError("q must be contiguous in its last three dimensions")
+    check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k_cache must have q's dtype {q.dtype}; got {k.dtype}")
+    if k.shape[2] != 1:
+        raise ValueError(f"num_heads_k must be 1 for MLA; k_cache has {k.shape[2]}")
+    if k.shape[3] != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
+    if k.stride(3) != 1:
+        raise ValueError("k_cache must be contiguous in head_dim")
+    if not 0 < head_dim_v <= d:
+        raise ValueError(f"head_dim_v must be in 1..{d}, got {head_dim_v}")
+    why = widths_problem(d, head_dim_v)
+    if why:
+        raise ValueError(why)
+    check.dtype("block_table", bt, (torch.int32,))
+    check.ndim("block_table", bt, 2, "[batch, max_num_blocks_per_seq]")
+    check.dtype("cache_seqlens", sl, (torch.int32,))
+    check.ndim("cache_seqlens", sl, 1, "[batch]")
+    if bt.shape[0] != batch or sl.shape[0] != batch:
+        raise ValueError(f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
+                         f"must have q's batch {batch}")  # fmt: skip
+    check.dtype("tile_scheduler_metadata", meta, (torch.int32,))
+    if meta.ndim != 2 or meta.shape[1] != METADATA_SIZE or not meta.is_contiguous():
+        raise ValueError(f"tile_scheduler_metadata must be a contiguous [num_sm_parts, "
+                         f"{METADATA_SIZE}] tensor from get_mla_metadata")  # fmt: skip
+    check.dtype("num_splits", ns, (torch.int32,))
+    if tuple(ns.shape) != (batch + 1,):
+        raise ValueError(f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
+                         "was the metadata computed for other seqlens?")  # fmt: skip
+    return check.same_device(q=q, k_cache=k, block_table=bt, cache_seqlens=sl,
+                             tile_scheduler_metadata=meta, num_splits=ns)  # fmt: skip
+
+
+def _check_pages(k, bt, sl) -> None:
+    """check_block_table: every page a sequence uses exists (reads the lengths: a sync)."""
+    need = (sl.long() + k.shape[1] - 1) // k.shape[1]
+    cols = torch.arange(bt.shape[1], device=bt.device)[None, :]
+    used = cols < need[:, None]
+    if bool((need > bt.shape[1]).any()):
+        raise ValueError("block_table has fewer columns than some sequence needs")
+    bad = used & ((bt < 0) | (bt >= k.shape[0]))
+    if bool(bad.any()):
+        b, c = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache "
+                         f"(0..{k.shape[0] - 1})")  # fmt: skip
+
+
+def _decode_impl(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_block_table):
+    device = _check_decode(q, k, bt, sl, head_dim_v, meta, ns)
+    if check_block_table:
+        _check_pages(k, bt, sl)
+    _, s_q, h_q, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else d**-0.5
+    arch, target = runtime.target_of(device)
+    spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k,
+                   s_q * h_q)  # fmt: skip
+    meta_p = runtime.meta_params(spec, rows=s_q * h_q)
+    return _module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
+
+
+def _decode_fake(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_block_table):
+    _check_decode(q, k, bt, sl, head_dim_v, meta, ns)
+    batch, s_q, h_q, _ = q.shape
+    out = q.new_empty(batch, s_q, h_q, head_dim_v)
+    return out, q.new_empty(batch, h_q, s_q, dtype=torch.float32)
+
+
+_decode_op = define(
+    "flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor block_table, "
+    "Tensor cache_seqlens, int head_dim_v, Tensor tile_scheduler_metadata, Tensor num_splits, "
+    "float? softmax_scale, bool causal, bool check_block_table) -> (Tensor, Tensor)",
+    _decode_impl,
+    _decode_fake,
+)
 
 
 def flash_mla_with_kvcache(
@@ -48,64 +132,20 @@ def flash_mla_with_kvcache(
     Returns:
         out [batch, seq_len_q, num_heads_q, head_dim_v] (q's dtype) and lse [batch,
         num_heads_q, seq_len_q] fp32 (natural log); queries that see no key get 0 and -inf.
+
+    The op is ``torch.ops.kvgen.flash_mla_with_kvcache``.
     """
-    q = check.tensor("q", q)
-    check.dtype("q", q, (torch.bfloat16, torch.float16))
-    check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
-    batch, s_q, h_q, d = q.shape
-    if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
-        raise ValueError("q must be contiguous in its last three dimensions")
-    k = check.tensor("k_cache", k_cache)
-    check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k_cache must have q's dtype {q.dtype}; got {k.dtype}")
-    if k.shape[2] != 1:
-        raise ValueError(f"num_heads_k must be 1 for MLA; k_cache has {k.shape[2]}")
-    if k.shape[3] != d:
-        raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
-    if k.stride(3) != 1:
-        raise ValueError("k_cache must be contiguous in head_dim")
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_table", block_table),
+                    ("cache_seqlens", cache_seqlens),
+                    ("tile_scheduler_metadata", tile_scheduler_metadata),
+                    ("num_splits", num_splits)):  # fmt: skip
+        check.tensor(name, t)
     check.int_arg("head_dim_v", head_dim_v)
-    if not 0 < head_dim_v <= d:
-        raise ValueError(f"head_dim_v must be in 1..{d}, got {head_dim_v}")
-    bt = check.tensor("block_table", block_table)
-    check.dtype("block_table", bt, (torch.int32,))
-    check.ndim("block_table", bt, 2, "[batch, max_num_blocks_per_seq]")
-    sl = check.tensor("cache_seqlens", cache_seqlens)
-    check.dtype("cache_seqlens", sl, (torch.int32,))
-    check.ndim("cache_seqlens", sl, 1, "[batch]")
-    if bt.shape[0] != batch or sl.shape[0] != batch:
-        raise ValueError(f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
-                         f"must have q's batch {batch}")  # fmt: skip
-    meta = check.tensor("tile_scheduler_metadata", tile_scheduler_metadata)
-    check.dtype("tile_scheduler_metadata", meta, (torch.int32,))
-    if meta.ndim != 2 or meta.shape[1] != METADATA_SIZE or not meta.is_contiguous():
-        raise ValueError(f"tile_scheduler_metadata must be a contiguous [num_sm_parts, "
-                         f"{METADATA_SIZE}] tensor from get_mla_metadata")  # fmt: skip
-    ns = check.tensor("num_splits", num_splits)
-    check.dtype("num_splits", ns, (torch.int32,))
-    if tuple(ns.shape) != (batch + 1,):
-        raise ValueError(f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
-                         "was the metadata computed for other seqlens?")  # fmt: skip
-    device = check.same_device(q=q, k_cache=k, block_table=bt, cache_seqlens=sl,
-                               tile_scheduler_metadata=meta, num_splits=ns)  # fmt: skip
-    if check_block_table:
-        need = (sl.long() + k.shape[1] - 1) // k.shape[1]
-        cols = torch.arange(bt.shape[1], device=bt.device)[None, :]
-        used = cols < need[:, None]
-        if bool((need > bt.shape[1]).any()):
-            raise ValueError("block_table has fewer columns than some sequence needs")
-        bad = used & ((bt < 0) | (bt >= k.shape[0]))
-        if bool(bad.any()):
-            b, c = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache "
-                             f"(0..{k.shape[0] - 1})")  # fmt: skip
-    scale = float(softmax_scale) if softmax_scale is not None else d**-0.5
-    arch, target = runtime.target_of(device)
-    spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k,
-                   s_q * h_q)  # fmt: skip
-    meta_p = runtime.meta_params(spec, rows=s_q * h_q)
-    return _module(spec).launch(q, k, bt, sl, meta, ns, scale, bool(causal), **meta_p)
+    if softmax_scale is not None:
+        softmax_scale = float(softmax_scale)
+    return _decode_op(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                      tile_scheduler_metadata, num_splits, softmax_scale, bool(causal),
+                      bool(check_block_table))  # fmt: skip
 
 
 @cache

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.families.mla_decode import SCHED_BLOCK as BLOCK_N  # KV tokens per unit
+from kvgen.ops._library import define
 
 METADATA_SIZE = 8
 FIXED_COST = 5  # per sequence: Q load, output write and combine, in KV-block units
@@ -123,6 +124,51 @@ def schedule(
             torch.where(take, one_each, num_splits.to(torch.int32)))  # fmt: skip
 
 
+def _parts(device: torch.device, num_heads_per_head_k: int, num_heads_k: int) -> tuple[int, str]:
+    """(work units, schedule policy) of a schedule on ``device``: host facts only, no data."""
+    from kvgen.ops._mla_decode import split_policy
+
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    elif device.type == "meta" and torch.cuda.is_available():  # shapes for this machine's GPU
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    else:
+        sms = 8  # the interpreter: a few work units are enough to exercise splitting
+    split, policy = split_policy(device, num_heads_per_head_k)
+    return num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split), policy
+
+
+def _check_metadata(seqlens, num_heads_per_head_k, num_heads_k) -> None:
+    from kvgen.ops import _checks as check
+
+    check.dtype("cache_seqlens", seqlens, (torch.int32, torch.int64))
+    check.ndim("cache_seqlens", seqlens, 1, "[batch]")
+    for name, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k)):
+        if v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+
+
+def _metadata_impl(seqlens, num_heads_per_head_k, num_heads_k):
+    _check_metadata(seqlens, num_heads_per_head_k, num_heads_k)
+    parts, policy = _parts(seqlens.device, num_heads_per_head_k, num_heads_k)
+    return schedule(seqlens, parts, policy)
+
+
+def _metadata_fake(seqlens, num_heads_per_head_k, num_heads_k):
+    _check_metadata(seqlens, num_heads_per_head_k, num_heads_k)
+    parts, _ = _parts(seqlens.device, num_heads_per_head_k, num_heads_k)
+    meta = seqlens.new_empty(parts, METADATA_SIZE, dtype=torch.int32)
+    return meta, seqlens.new_empty(seqlens.shape[0] + 1, dtype=torch.int32)
+
+
+_metadata_op = define(
+    "get_mla_metadata(Tensor cache_seqlens, int num_heads_per_head_k, int num_heads_k) "
+    "-> (Tensor, Tensor)",
+    _metadata_impl,
+    _metadata_fake,
+)
+
+
 def get_mla_metadata(
     cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,23 +180,13 @@ def get_mla_metadata(
         num_heads_k: KV heads (1 for MLA).
 
     Computed with device ops only: no host synchronisation, safe inside CUDA graphs' warm-up.
-    The layout is documented at the top of this module.
+    The layout is documented at the top of this module. The op is
+    ``torch.ops.kvgen.get_mla_metadata``; on meta tensors the schedule's shape is that for
+    this machine's first GPU (the interpreter's without one).
     """
     from kvgen.ops import _checks as check
 
-    seqlens = check.tensor("cache_seqlens", cache_seqlens)
-    check.dtype("cache_seqlens", seqlens, (torch.int32, torch.int64))
-    check.ndim("cache_seqlens", seqlens, 1, "[batch]")
+    check.tensor("cache_seqlens", cache_seqlens)
     for name, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k)):
         check.int_arg(name, v)
-        if v < 1:
-            raise ValueError(f"{name} must be at least 1, got {v}")
-    from kvgen.ops._mla_decode import split_policy
-
-    if seqlens.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(seqlens.device).multi_processor_count
-    else:
-        sms = 8  # the interpreter: a few work units are enough to exercise splitting
-    split, policy = split_policy(seqlens.device, num_heads_per_head_k)
-    parts = num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split)
-    return schedule(seqlens, parts, policy)
+    return _metadata_op(cache_seqlens, num_heads_per_head_k, num_heads_k)

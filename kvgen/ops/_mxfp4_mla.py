@@ -15,6 +15,7 @@ from kvgen.families.mxfp4_mla import (
     row_bytes,
 )
 from kvgen.ops import _checks as check
+from kvgen.ops._library import define
 
 GROUP_SIZE = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -97,6 +98,41 @@ def _slots(name: str, slots: object, n: int | None) -> torch.Tensor:
     return slots
 
 
+def _check_store(x, slots, cache, group):
+    """Every check of ``store_mxfp4_mla`` that needs no data: the cache geometry, or an error."""
+    check.dtype("kv_c_normed", x, _FLOATS)
+    check.ndim("kv_c_normed", x, 2, "[num_tokens, latent]")
+    num_tokens, latent = x.shape
+    _slots("slot_mapping", slots, num_tokens)
+    _check_group(latent, group)
+    device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
+    return device, _cache_geometry(cache, row_bytes(latent, group))
+
+
+def _store_impl(x, slots, cache, group):
+    device, (layout, num_slots, block_size, block_stride) = _check_store(x, slots, cache, group)
+    num_tokens, latent = x.shape
+    if num_tokens == 0:
+        return
+    spec, launch = _store_launcher(x.dtype, latent, group, layout, device)
+    meta = runtime.meta_params(spec, num_tokens=num_tokens)
+    if layout == "paged":
+        launch(x, slots, cache, num_slots, block_size, block_stride, **meta)
+    else:
+        launch(x, slots, cache, num_slots, **meta)
+
+
+def _store_fake(x, slots, cache, group):
+    _check_store(x, slots, cache, group)
+
+
+_store_op = define(
+    "store_mxfp4_mla(Tensor kv_c_normed, Tensor slot_mapping, Tensor(a!) cache, int group) -> ()",
+    _store_impl,
+    _store_fake,
+)
+
+
 def store_mxfp4_mla(
     kv_c_normed: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -116,25 +152,52 @@ def store_mxfp4_mla(
         group: number of latent elements sharing one E8M0 scale (16, 32 or 64).
 
     Every argument is checked before the cache is touched: a bad one raises ``TypeError`` or
-    ``ValueError`` naming it.
+    ``ValueError`` naming it. The op is ``torch.ops.kvgen.store_mxfp4_mla`` (``cache``
+    mutated).
     """
-    x = check.tensor("kv_c_normed", kv_c_normed)
-    check.dtype("kv_c_normed", x, _FLOATS)
-    check.ndim("kv_c_normed", x, 2, "[num_tokens, latent]")
-    num_tokens, latent = x.shape
-    slots = _slots("slot_mapping", slot_mapping, num_tokens)
-    cache = check.tensor("cache", cache)
+    check.tensor("kv_c_normed", kv_c_normed)
+    check.tensor("slot_mapping", slot_mapping)
+    check.tensor("cache", cache)
+    check.int_arg("group", group)
+    _store_op(kv_c_normed, slot_mapping, cache, group)
+
+
+def _check_gather(cache, slots, latent, group, out_dtype):
+    _slots("slots", slots, None)
     _check_group(latent, group)
-    device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
-    layout, num_slots, block_size, block_stride = _cache_geometry(cache, row_bytes(latent, group))
-    if num_tokens == 0:
-        return
-    spec, launch = _store_launcher(x.dtype, latent, group, layout, device)
-    meta = runtime.meta_params(spec, num_tokens=num_tokens)
+    if out_dtype not in _FLOATS:
+        raise TypeError(f"out_dtype must be one of {_FLOATS}, got {out_dtype}")
+    device = check.same_device(cache=cache, slots=slots)
+    return device, _cache_geometry(cache, row_bytes(latent, group))
+
+
+def _gather_impl(cache, slots, latent, group, out_dtype):
+    device, (layout, num_slots, block_size, block_stride) = _check_gather(
+        cache, slots, latent, group, out_dtype
+    )
+    out = torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
+    if slots.shape[0] == 0:
+        return out
+    spec, launch = _gather_launcher(out_dtype, latent, group, layout, device)
+    meta = runtime.meta_params(spec, num_tokens=slots.shape[0])
     if layout == "paged":
-        launch(x, slots, cache, num_slots, block_size, block_stride, **meta)
+        launch(cache, slots, out, num_slots, block_size, block_stride, **meta)
     else:
-        launch(x, slots, cache, num_slots, **meta)
+        launch(cache, slots, out, num_slots, **meta)
+    return out
+
+
+def _gather_fake(cache, slots, latent, group, out_dtype):
+    device, _ = _check_gather(cache, slots, latent, group, out_dtype)
+    return torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
+
+
+_gather_op = define(
+    "gather_mxfp4_mla(Tensor cache, Tensor slots, int latent, int group, ScalarType out_dtype)"
+    " -> Tensor",
+    _gather_impl,
+    _gather_fake,
+)
 
 
 def gather_mxfp4_mla(
@@ -148,23 +211,12 @@ def gather_mxfp4_mla(
 
     Returns ``[len(slots), latent]`` of ``out_dtype`` (bf16, fp16 or fp32); a row whose slot is
     negative or past the end of the cache is all zeros. ``cache`` takes the layouts
-    :func:`store_mxfp4_mla` takes.
+    :func:`store_mxfp4_mla` takes. The op is ``torch.ops.kvgen.gather_mxfp4_mla``.
     """
-    cache = check.tensor("cache", cache)
-    slots = _slots("slots", slots, None)
+    check.tensor("cache", cache)
+    check.tensor("slots", slots)
     check.int_arg("latent", latent)
-    _check_group(latent, group)
-    if out_dtype not in _FLOATS:
-        raise TypeError(f"out_dtype must be one of {_FLOATS}, got {out_dtype}")
-    device = check.same_device(cache=cache, slots=slots)
-    layout, num_slots, block_size, block_stride = _cache_geometry(cache, row_bytes(latent, group))
-    out = torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
-    if slots.shape[0] == 0:
-        return out
-    spec, launch = _gather_launcher(out_dtype, latent, group, layout, device)
-    meta = runtime.meta_params(spec, num_tokens=slots.shape[0])
-    if layout == "paged":
-        launch(cache, slots, out, num_slots, block_size, block_stride, **meta)
-    else:
-        launch(cache, slots, out, num_slots, **meta)
-    return out
+    check.int_arg("group", group)
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+    return _gather_op(cache, slots, latent, group, out_dtype)

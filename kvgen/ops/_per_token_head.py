@@ -16,6 +16,7 @@ from kvgen.families.per_token_head import (
 )
 from kvgen.formats.per_token_head import INT4_LEVELS
 from kvgen.ops import _checks as check
+from kvgen.ops._library import define
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _QUANT_FORMATS = {
@@ -89,12 +90,9 @@ def _variant(cls, fmt, head_size, head_size_v, dtype, device):
     return spec, load(spec).launch
 
 
-def _store(cls, fmt, key, value, caches, slots) -> None:
+def _launch(cls, fmt, key, value, caches, slots) -> None:
     """Launch the store of ``cls`` once every argument has been checked."""
-    device = check.same_device(
-        key=key, value=value, key_cache=caches[0], value_cache=caches[1],
-        k_scale_cache=caches[2], v_scale_cache=caches[3], slot_mapping=slots,
-    )  # fmt: skip
+    device = _device(key, value, caches, slots)
     if key.shape[0] == 0:
         return
     spec, launch = _variant(cls, fmt, key.shape[2], value.shape[2], key.dtype, device)
@@ -102,24 +100,15 @@ def _store(cls, fmt, key, value, caches, slots) -> None:
     launch(key, value, *caches, slots, **meta)
 
 
-def triton_reshape_and_cache_flash_per_token_head_quant(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k_scale_cache: torch.Tensor,
-    v_scale_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Quantize key/value per (token, head) and write them into the paged caches.
+def _device(key, value, caches, slots):
+    return check.same_device(
+        key=key, value=value, key_cache=caches[0], value_cache=caches[1],
+        k_scale_cache=caches[2], v_scale_cache=caches[3], slot_mapping=slots,
+    )  # fmt: skip
 
-    One scale ``max(amax / QMAX, 1e-6)`` per (token, head), stored as fp32 in
-    ``k_scale_cache`` / ``v_scale_cache`` ``[num_blocks, block_size, num_kv_heads]``. The cache
-    dtype picks the format: int8 (QMAX 127), float8_e4m3fn (448) or float8_e5m2 (57344).
-    Caches are ``[num_blocks, block_size, num_kv_heads, head]`` views with any strides and a
-    unit last stride (HND memory passes as ``cache.permute(0, 2, 1, 3)``); negative slots are
-    skipped.
-    """
+
+def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    """Every check of the int8 / fp8 store: (format, checked caches), or an error."""
     key, value, slots = _check_kv(key, value, slot_mapping)
     _, num_heads, head_size = key.shape
     head_size_v = value.shape[2]
@@ -138,10 +127,36 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
         raise TypeError(f"value_cache must have key_cache's dtype {kc.dtype}; got {vc.dtype}")
     ks = _check_scales("k_scale_cache", k_scale_cache, kc, num_heads, None, torch.float32)
     vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads, None, torch.float32)
-    _store(StoreKVPerTokenHeadSpec, fmt, key, value, (kc, vc, ks, vs), slots)
+    caches = (kc, vc, ks, vs)
+    _device(key, value, caches, slots)
+    return fmt, caches
 
 
-def triton_reshape_and_cache_flash_int4_per_token_head(
+def _quant_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    fmt, caches = _check_quant(key, value, key_cache, value_cache, k_scale_cache,
+                               v_scale_cache, slot_mapping)  # fmt: skip
+    _launch(StoreKVPerTokenHeadSpec, fmt, key, value, caches, slot_mapping)
+
+
+def _quant_fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+
+
+_STORE_SCHEMA = (
+    "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor slot_mapping) -> ()"
+)
+_quant_op = define(
+    "reshape_and_cache_flash_per_token_head_quant" + _STORE_SCHEMA, _quant_impl, _quant_fake
+)
+
+
+def _tensors(**named) -> None:
+    for name, value in named.items():
+        check.tensor(name, value)
+
+
+def triton_reshape_and_cache_flash_per_token_head_quant(
     key: torch.Tensor,
     value: torch.Tensor,
     key_cache: torch.Tensor,
@@ -150,13 +165,24 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     v_scale_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Quantize key/value to packed int4 with Gaussian-friendly levels.
+    """Quantize key/value per (token, head) and write them into the paged caches.
 
-    Caches are uint8 ``[num_blocks, block_size, num_kv_heads, ceil(head_size / 2)]`` (channel
-    2i in the low nibble of byte i); scales are fp16 ``[num_blocks, block_size, num_kv_heads,
-    ceil(head_size / C)]``, one per group of C channels, C in 16, 32, 64, 128 chosen by that
-    last dimension (32 is vLLM's default).
+    One scale ``max(amax / QMAX, 1e-6)`` per (token, head), stored as fp32 in
+    ``k_scale_cache`` / ``v_scale_cache`` ``[num_blocks, block_size, num_kv_heads]``. The cache
+    dtype picks the format: int8 (QMAX 127), float8_e4m3fn (448) or float8_e5m2 (57344).
+    Caches are ``[num_blocks, block_size, num_kv_heads, head]`` views with any strides and a
+    unit last stride (HND memory passes as ``cache.permute(0, 2, 1, 3)``); negative slots are
+    skipped. The op is ``torch.ops.kvgen.reshape_and_cache_flash_per_token_head_quant`` (the
+    four caches mutated).
     """
+    _tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+             slot_mapping=slot_mapping)  # fmt: skip
+    _quant_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+
+
+def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    """Every check of the int4 store: (channels per scale, checked caches), or an error."""
     key, value, slots = _check_kv(key, value, slot_mapping)
     _, num_heads, head_size = key.shape
     head_size_v = value.shape[2]
@@ -182,10 +208,53 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     ks = _check_scales("k_scale_cache", ks, kc, num_heads, groups, torch.float16)
     vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads,
                        -(-head_size_v // channels), torch.float16)  # fmt: skip
-    _store(StoreKVInt4Spec, channels, key, value, (kc, vc, ks, vs), slots)
+    caches = (kc, vc, ks, vs)
+    _device(key, value, caches, slots)
+    return channels, caches
 
 
-_INT4_LEVELS = torch.tensor(INT4_LEVELS, dtype=torch.float32)
+def _int4_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    channels, caches = _check_int4(key, value, key_cache, value_cache, k_scale_cache,
+                                   v_scale_cache, slot_mapping)  # fmt: skip
+    _launch(StoreKVInt4Spec, channels, key, value, caches, slot_mapping)
+
+
+def _int4_fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
+    _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+
+
+_int4_op = define(
+    "reshape_and_cache_flash_int4_per_token_head" + _STORE_SCHEMA, _int4_impl, _int4_fake
+)
+
+
+def triton_reshape_and_cache_flash_int4_per_token_head(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantize key/value to packed int4 with Gaussian-friendly levels.
+
+    Caches are uint8 ``[num_blocks, block_size, num_kv_heads, ceil(head_size / 2)]`` (channel
+    2i in the low nibble of byte i); scales are fp16 ``[num_blocks, block_size, num_kv_heads,
+    ceil(head_size / C)]``, one per group of C channels, C in 16, 32, 64, 128 chosen by that
+    last dimension (32 is vLLM's default). The op is
+    ``torch.ops.kvgen.reshape_and_cache_flash_int4_per_token_head`` (the four caches mutated).
+    """
+    _tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+             slot_mapping=slot_mapping)  # fmt: skip
+    _int4_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+
+
+@cache
+def _int4_levels(device: torch.device) -> torch.Tensor:
+    # one copy per device, made on first use (a copy from the host cannot be graph-captured)
+    return torch.tensor(INT4_LEVELS, dtype=torch.float32, device=device)
 
 
 def _read(cache_t, scales, slots, head_size, out_dtype):
@@ -198,7 +267,7 @@ def _read(cache_t, scales, slots, head_size, out_dtype):
     if cache_t.dtype == torch.uint8:
         q = q.to(torch.int32)
         codes = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)[..., :head_size]
-        levels = _INT4_LEVELS.to(q.device)[codes & 7]
+        levels = _int4_levels(q.device)[codes & 7]
         vals = torch.where(codes >= 8, -levels, levels)
         per = int4_channels_for(head_size, sc.shape[-1])
         vals = vals * sc.repeat_interleave(per, dim=-1)[..., :head_size]
@@ -207,22 +276,9 @@ def _read(cache_t, scales, slots, head_size, out_dtype):
     return torch.where(valid[:, None, None], vals, 0.0).to(out_dtype)
 
 
-def gather_kv_per_token_head(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k_scale_cache: torch.Tensor,
-    v_scale_cache: torch.Tensor,
-    slots: torch.Tensor,
-    head_size: int | None = None,
-    head_size_v: int | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the K and V rows of ``slots`` back, dequantized: ``([n, heads, head_size],
-    [n, heads, head_size_v])`` of ``out_dtype``; rows of invalid slots are zeros.
-
-    The format follows the cache dtype (int8, fp8 e4m3 / e5m2, or uint8 = int4). For int4 pass
-    ``head_size`` / ``head_size_v`` when they are odd (the default is twice the packed width).
-    """
+def _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                  head_size_v, out_dtype):  # fmt: skip
+    """The reader's checks: [(cache, scales, head size)] for K and V, or an error."""
     slots = check.tensor("slots", slots)
     check.dtype("slots", slots, (torch.int32, torch.int64))
     check.ndim("slots", slots, 1, "[n]")
@@ -240,5 +296,58 @@ def gather_kv_per_token_head(
         if hs is None:
             hs = c.shape[3] * 2 if c.dtype == torch.uint8 else c.shape[3]
         check.same_device(slots=slots, **{name: c})
-        out.append(_read(c, sc, slots, hs, out_dtype))
-    return out[0], out[1]
+        out.append((c, sc, hs))
+    return out
+
+
+def _gather_impl(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                 head_size_v, out_dtype):  # fmt: skip
+    kv = _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                       head_size_v, out_dtype)  # fmt: skip
+    k, v = (_read(c, sc, slots, hs, out_dtype) for c, sc, hs in kv)
+    return k, v
+
+
+def _gather_fake(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                 head_size_v, out_dtype):  # fmt: skip
+    kv = _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                       head_size_v, out_dtype)  # fmt: skip
+    k, v = (slots.new_empty(slots.shape[0], c.shape[2], hs, dtype=out_dtype) for c, _, hs in kv)
+    return k, v
+
+
+_gather_op = define(
+    "gather_kv_per_token_head(Tensor key_cache, Tensor value_cache, Tensor k_scale_cache, "
+    "Tensor v_scale_cache, Tensor slots, int? head_size, int? head_size_v, "
+    "ScalarType out_dtype) -> (Tensor, Tensor)",
+    _gather_impl,
+    _gather_fake,
+)
+
+
+def gather_kv_per_token_head(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale_cache: torch.Tensor,
+    v_scale_cache: torch.Tensor,
+    slots: torch.Tensor,
+    head_size: int | None = None,
+    head_size_v: int | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the K and V rows of ``slots`` back, dequantized: ``([n, heads, head_size],
+    [n, heads, head_size_v])`` of ``out_dtype``; rows of invalid slots are zeros.
+
+    The format follows the cache dtype (int8, fp8 e4m3 / e5m2, or uint8 = int4). For int4 pass
+    ``head_size`` / ``head_size_v`` when they are odd (the default is twice the packed width).
+    The op is ``torch.ops.kvgen.gather_kv_per_token_head``.
+    """
+    _tensors(key_cache=key_cache, value_cache=value_cache, k_scale_cache=k_scale_cache,
+             v_scale_cache=v_scale_cache, slots=slots)  # fmt: skip
+    for name, hs in (("head_size", head_size), ("head_size_v", head_size_v)):
+        if hs is not None:
+            check.int_arg(name, hs)
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
+    return _gather_op(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
+                      head_size_v, out_dtype)  # fmt: skip
