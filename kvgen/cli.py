@@ -330,7 +330,7 @@ def bench_cmd(
     if plot is not None:
         from kvgen.bench import plots
 
-        plots.require_matplotlib()  # before minutes of timing, not after
+        _need_matplotlib()  # before minutes of timing, not after
     if not torch.cuda.is_available():
         raise _fail("kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
     import itertools
@@ -423,6 +423,15 @@ def bench_cmd(
         err.print(f"wrote {plot}")
     if not all(r.correct for r in [*rows, *decode_rows]):
         raise typer.Exit(1)
+
+
+def _need_matplotlib() -> None:
+    from kvgen.bench import plots
+
+    try:
+        plots.require_matplotlib()
+    except RuntimeError as exc:
+        raise _fail(exc) from None
 
 
 def _ok(correct: bool) -> Text:
@@ -703,7 +712,7 @@ def show_cmd(
     if plot is not None:
         from kvgen.bench import plots
 
-        plots.require_matplotlib()
+        _need_matplotlib()
     files = configs.files(arch)
     if not files:
         raise _fail(f"no tuned configs for {arch} (looked in "

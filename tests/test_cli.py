@@ -234,3 +234,37 @@ def test_help_paragraphs_are_wrapped_whole(command):
             assert len(line) >= 60, f"short line inside a paragraph: {line!r}"
     if command == "tune":
         assert "[default: (CPU count - 1)]" in " ".join(result.stdout.split())
+
+
+def test_show_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "tuned.png"
+    result = runner.invoke(app, ["show", "sm90", "--plot", str(path)])
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_bench_plot_from_a_bench_document(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvgen.bench import plots
+
+    stores = [{"variant": f"store_kv_int8-h{h}", "num_tokens": t, "gbps": 10.0 * t ** 0.5 * h}
+              for h in (1, 8) for t in (1, 16, 4096)]  # fmt: skip
+    decode = [{"variant": v, "lengths": "equal 4096", "heads": h, "tflops": h * 3.0}
+              for v in ("auto", "mla_decode-d576-dv512-bf16-wgmma-sm90-gpu")
+              for h in (16, 32, 64, 128)]  # fmt: skip
+    doc = {"env": {"device": "test", "commit": "abc"}, "copy_bandwidth_GBps": 4000.0,
+           "matmul_TFLOPs": 700.0, "results": stores, "decode": decode}  # fmt: skip
+    path = plots.bench_plot(doc, tmp_path / "bench.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    only_stores = plots.bench_plot({**doc, "decode": []}, tmp_path / "stores.png")
+    assert only_stores.exists()
+    with pytest.raises(ValueError, match="no results"):
+        plots.bench_plot({**doc, "decode": [], "results": []}, tmp_path / "none.png")
+
+
+def test_plots_without_matplotlib_say_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    result = runner.invoke(app, ["show", "sm90", "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 2
+    assert "pip install 'kvgen[plot]'" in result.output

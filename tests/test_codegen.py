@@ -88,9 +88,11 @@ def test_registry_lookup_of_unlisted_sizes():
         registry.lookup([name.replace("dv576", "dv5760")], "sm90", "gpu")
     with pytest.raises(KeyError, match="did you mean store_kv_int4_per_token_head-c32-d576-"):
         registry.lookup([name.replace("-d576", "-d0576")], "sm90", "gpu")
-    # Another arch / target than asked for, or a kind that does not exist there: not found.
-    with pytest.raises(KeyError, match="for sm80/gpu"):
-        registry.lookup([name], "sm80", "gpu")
+    # A full name says its arch and target: they win over the ones asked for (which pick the
+    # variants of family names).
+    (spec,) = registry.lookup([name], "sm80", "interp")
+    assert (spec.arch, spec.target) == ("sm90", "gpu")
+    # A kind that does not exist for the arch / target the name spells: not found, and why.
     with pytest.raises(KeyError, match="wgmma variant needs"):
         registry.lookup(["mla_decode-d576-dv512-bf16-wgmma-sm90-interp"], "sm90", "interp")
 
