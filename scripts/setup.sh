@@ -14,7 +14,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==${KVGEN_TORCH_VERSION:-2.13.0}"
 fi
 # Triton pinned to the version on the H200 machine, so that the interpreter here runs what the
-# GPU compiles there (its behaviour differs between releases; see ../shared/INTERPRETER.md).
+# GPU compiles there (its behaviour differs between releases; see docs/interpreter.md).
 .venv/bin/python -m pip install -q "triton==${KVGEN_TRITON_VERSION:-3.6.0}"
 if [ "${KVGEN_EDITABLE:-0}" = 1 ]; then
   .venv/bin/python -m pip install -q -e ".[test]"

@@ -1,4 +1,4 @@
-"""The pure-torch MXFP4 reference against values worked out by hand from FORMATS.md."""
+"""The pure-torch MXFP4 reference against values worked out by hand from docs/formats.md."""
 
 import torch
 

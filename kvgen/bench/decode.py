@@ -1,5 +1,5 @@
 """``kvgen bench --ops decode``: MLA decode against the copy bandwidth and the bf16 matmul rate
-measured in the same run (PERF.md), FlashMLA's headline shapes."""
+measured in the same run, FlashMLA's headline shapes."""
 
 from __future__ import annotations
 

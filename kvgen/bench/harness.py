@@ -1,4 +1,4 @@
-"""Timing on the GPU, as PERF.md says: CUDA graphs, rotated buffers, medians, same-run ceilings."""
+"""Timing on the GPU: CUDA graphs, rotated buffers, medians, same-run ceilings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""MXFP4 (OCP MX: E2M1 elements + one E8M0 shared exponent per group), as FORMATS.md defines it.
+"""MXFP4 (OCP MX: E2M1 elements + one E8M0 shared exponent per group), as docs/formats.md
+defines it.
 
 One cache row per slot: ``[latent/2 packed element bytes][latent/group scale bytes]``.
 

@@ -1,4 +1,4 @@
-"""Per-token-head KV formats, as FORMATS.md defines them: int8 / fp8 with one fp32 scale per
+"""Per-token-head KV formats, as docs/formats.md defines them: int8 / fp8 with one fp32 scale per
 (token, head), and int4 with Gaussian-friendly levels and one fp16 scale per group of channels.
 
 Tensors here are ``[tokens, heads, head_size]``; caches are ``[num_blocks, block_size, heads,
