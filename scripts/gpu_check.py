@@ -1,0 +1,104 @@
+"""Run every kernel family once on small shapes, for compute-sanitizer (scripts/gpu_check.sh):
+each store format into guarded caches, each reader, and each decode variant and kernel. Exits 1
+when a result disagrees with the reference or a guard byte changed."""
+
+import sys
+
+import torch
+
+from kvgen import registry, runtime
+from kvgen.codegen import load
+from kvgen.formats import mxfp4
+from kvgen.formats import per_token_head as pth
+from kvgen.formats.mla_decode import mla_decode
+from kvgen.ops import (
+    gather_kv_per_token_head,
+    gather_mxfp4_mla,
+    get_mla_metadata,
+    store_mxfp4_mla,
+    triton_reshape_and_cache_flash_int4_per_token_head,
+    triton_reshape_and_cache_flash_per_token_head_quant,
+)
+from kvgen.verify import make_cache, make_kv_caches, make_slots
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: the interpreter
+failures = []
+
+
+def check(label: str, ok: bool) -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {label}", flush=True)
+    if not ok:
+        failures.append(label)
+
+
+def mxfp4_store_and_gather() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(40, 512, device=DEV).to(dtype)
+        cache = make_cache("paged", 96, 272, DEV, block_size=16, gap_rows=3)
+        want = cache.fresh_copy()
+        slots = make_slots(40, 96, DEV)
+        store_mxfp4_mla(x, slots, cache.view)
+        ref = want.backing.cpu().clone()
+        mxfp4.store(x.cpu(), slots.cpu(), want.rebuild(ref), 32)
+        check(f"store_mxfp4_mla {dtype}", torch.equal(cache.backing.cpu(), ref))
+        got = gather_mxfp4_mla(cache.view, slots, 512, out_dtype=torch.float32).cpu()
+        exp = mxfp4.gather(want.rebuild(ref), slots.cpu(), 512, 32)
+        check(f"gather_mxfp4_mla {dtype}", torch.equal(got.nan_to_num(), exp.nan_to_num()))
+
+
+def per_token_head_stores() -> None:
+    specs = [s for s in registry.variants(*runtime.local_target())
+             if s.family.startswith("store_kv") and s.in_dtype == "bf16"
+             and (s.head_size, s.head_size_v) in ((128, 128), (576, 512))
+             and getattr(s, "channels", 32) == 32]  # fmt: skip
+    for spec in specs:
+        op = (triton_reshape_and_cache_flash_int4_per_token_head
+              if spec.family == "store_kv_int4_per_token_head"
+              else triton_reshape_and_cache_flash_per_token_head_quant)  # fmt: skip
+        caches = make_kv_caches(spec, 6, 8, 2, DEV, layout="hnd")
+        expected = [c.backing.cpu().clone() for c in caches]
+        want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
+        key = torch.randn(20, 2, spec.head_size, device=DEV).to(torch.bfloat16)
+        value = torch.randn(20, 2, spec.head_size_v, device=DEV).to(torch.bfloat16)
+        slots = make_slots(20, 48, DEV)
+        op(key, value, *[c.view for c in caches], slots)
+        pth.store(key.cpu(), value.cpu(), *want, slots.cpu())
+        same = all(torch.equal(c.backing.cpu(), e) for c, e in zip(caches, expected, strict=True))
+        check(spec.name, same)
+        gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size,
+                                 spec.head_size_v)  # fmt: skip
+
+
+def decodes() -> None:
+    for spec in registry.variants(*runtime.local_target(), family="mla_decode"):
+        if spec.dtype != "bf16":
+            continue
+        page = 64
+        lengths = [70, 0, 1, 130]
+        need = [-(-n // page) for n in lengths]
+        k = torch.randn(sum(need) + 2, page, 1, spec.head_dim, device=DEV).to(torch.bfloat16)
+        table = torch.zeros(len(lengths), max(need) + 1, dtype=torch.int32, device=DEV)
+        pages = torch.randperm(k.shape[0], device=DEV).to(torch.int32)
+        i = 0
+        for b, nb in enumerate(need):
+            table[b, :nb] = pages[i : i + nb]
+            i += nb
+        sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+        q = torch.randn(len(lengths), 2, 16, spec.head_dim, device=DEV).to(torch.bfloat16)
+        ref, _ = mla_decode(q.cpu(), k.cpu(), table.cpu(), sl.cpu(), spec.head_dim_v,
+                            causal=True)  # fmt: skip
+        meta, splits = get_mla_metadata(sl, 32, 1)
+        for roles in (0, 1) if spec.variant == "wgmma" else (None,):
+            mp = spec.default_meta(rows=32) | ({"roles": roles} if roles is not None else {})
+            out, _ = load(spec).launch(q, k, table, sl, meta, splits, spec.head_dim**-0.5,
+                                       True, **mp)  # fmt: skip
+            rel = float((out.cpu().double() - ref).norm() / ref.norm())
+            check(f"{spec.name} {mp}", rel < 1e-2)
+
+
+if __name__ == "__main__":
+    mxfp4_store_and_gather()
+    per_token_head_stores()
+    decodes()
+    print(f"{len(failures)} failed" if failures else "all ok")
+    sys.exit(1 if failures else 0)
