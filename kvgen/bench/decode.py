@@ -126,7 +126,7 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
     and its median kept; each timing starts after the graph has run for a while on its own
     (``harness.graph_time_us``'s settle), since the H200's clocks follow the load that came
     before: the op's row, timed right after the wgmma variant's row with the same kernels, read
-    up to 9 % slower than it (``benchmarks/NOTES.md``, eighth session)."""
+    up to 9 % slower than it."""
     from kvgen.formats.mla_decode import mla_decode
     from kvgen.ops import get_mla_metadata
 

@@ -37,7 +37,7 @@ def graph_time_us(
     Before the timed trials the graph replays for ``settle_ms`` of GPU time, so that each
     measurement starts from the clocks its own load settles at, not from those that the previous
     measurement left (a heavy kernel timed right after a lighter one read 5-10 % faster for its
-    first few milliseconds on the H200: ``benchmarks/NOTES.md``, eighth session).
+    first few milliseconds on the H200).
     """
     calls = calls or max(n_sets, 32)
     for i in range(n_sets):  # compile and warm up outside the capture

@@ -89,8 +89,8 @@ def equal_pieces(width: int, least: int = 64, most: int = 16) -> list[tuple[int,
 
     Tiles of one size share one register layout, so the kernel takes their elementwise maximum
     and reduces it once; tiles of different sizes (512 + 64) get different layouts, and the
-    compiler moved the wide tile through shared memory to meet the narrow one (``benchmarks/
-    NOTES.md``, ninth session).
+    compiler moved the wide tile through shared memory to meet the narrow one (on sm90: four
+    layout conversions a program for 1 x 576 with 512 + 64 tiles).
     """
     tile = width & -width  # the largest power of two dividing width
     if tile >= least and width // tile <= most:
@@ -150,8 +150,8 @@ def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
     # on the H200 chose 1 head per program at 1-256 tokens too).
     heads = 1 if num_tokens <= 64 else default_heads_per_program(num_heads, width)
     tokens = default_tokens_per_program(num_tokens, heads, row)
-    # Few tokens: K and V in separate programs too (run 68: 1.33-1.49x -> 1.23-1.34x a copy's
-    # time at 1 and 16 tokens, int8 and e4m3, 8 x 128 and 1 x 576).
+    # Few tokens: K and V in separate programs too (on the H200 1.33-1.49x -> 1.23-1.34x a
+    # copy's time at 1 and 16 tokens, int8 and e4m3, 8 x 128 and 1 x 576).
     return {"tokens_per_program": tokens, "heads_per_program": heads,
             "num_warps": default_num_warps(tokens, heads, row), "num_stages": 1,
             "split_kv": int(num_tokens <= 64)}  # fmt: skip

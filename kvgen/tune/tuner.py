@@ -10,8 +10,8 @@ measures the old winner again instead of hoping the sampler finds it. Studies li
 storage (by default a journal file on disk), so an interrupted run resumes where it stopped.
 
 A trial is timed once, so a config that happened to be timed in a faster moment can win by
-noise (on the H200, microsecond kernels read up to ~10 % faster for a while after heavy work:
-``benchmarks/NOTES.md``, eleventh session). ``confirm`` re-times the best few configs and the
+noise (on the H200, microsecond kernels read up to ~10 % faster for a while after heavy
+work). ``confirm`` re-times the best few configs and the
 default in alternated rounds and keeps the lowest median; ``kvgen tune`` does this for every
 study before it writes the JSON.
 """

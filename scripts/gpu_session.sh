@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# What a change that touches kernels runs on a GPU machine, written under ${OUT:-gpu-out}/:
+#   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
+#   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
+# kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
+# lacks, e.g. optuna for the tuner tests, may be put in .whl/ and are installed first).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/kv . \
+  || exit 1
+export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}
+day=$(date -u +%F)
+rc=0
+case "${1:-tests}" in
+  tests)
+    python3 -P -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests-$day.log" |
+      tail -n 25 || rc=1
+    PYTHON=python3 scripts/gpu_check.sh "$out/gpu-check-$day.txt" || rc=1
+    ;;
+  bench)
+    python3 -P -m kvgen bench --tokens 1,16,4096,65536 --json "$out/bench-$day.json" \
+      --plot "$out/bench-$day.png" 2>&1 | tee "$out/bench-$day.txt" | tail -n 40 || rc=1
+    python3 -P -m kvgen show sm90 --plot "$out/tuned-sm90.png" >/dev/null || rc=1
+    ;;
+  *)
+    echo "usage: $0 tests|bench" >&2
+    exit 2
+    ;;
+esac
+exit $rc
