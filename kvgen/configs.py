@@ -167,9 +167,42 @@ def _load(arch: str, family: str, override: str | None) -> tuple[Path | None, di
         if errors:
             log.warning("kvgen: ignoring tuned config %s: %s", path, "; ".join(errors[:3]))
             continue
+        hard, soft = env_mismatch(doc["env"])
+        if hard:
+            log.warning("kvgen: ignoring tuned config %s: it was measured with %s (its configs "
+                        "were timed on other generated code)", path, "; ".join(hard))  # fmt: skip
+            continue
+        if soft:
+            # a matter of speed only: worth a warning where kernels run on a GPU
+            import torch
+
+            level = logging.WARNING if torch.cuda.is_available() else logging.INFO
+            log.log(level, "kvgen: tuned config %s was measured with %s; using it", path,
+                    "; ".join(soft))  # fmt: skip
         log.info("kvgen: tuned configs for %s/%s from %s", arch, family, path)
         return path, doc["entries"]
     return None, {}
+
+
+def _major_minor(version: object) -> tuple[str, ...]:
+    return tuple(str(version).split("+")[0].split(".")[:2])
+
+
+def env_mismatch(env: dict) -> tuple[list[str], list[str]]:
+    """How a tuned file's ``env`` differs from this process: (hard, soft) differences. Another
+    Triton major.minor is hard (Triton generated other code from the same source, so the
+    measured ranking need not hold); another torch major.minor or CUDA version is soft."""
+    import torch
+    import triton
+
+    hard, soft = [], []
+    if _major_minor(env.get("triton")) != _major_minor(triton.__version__):
+        hard.append(f"Triton {env.get('triton')} (this is {triton.__version__})")
+    if _major_minor(env.get("torch")) != _major_minor(torch.__version__):
+        soft.append(f"torch {env.get('torch')} (this is {torch.__version__})")
+    if torch.version.cuda is not None and str(env.get("cuda")) != torch.version.cuda:
+        soft.append(f"CUDA {env.get('cuda')} (this is {torch.version.cuda})")
+    return hard, soft
 
 
 def table(arch: str, family: str, override: str | None = None) -> dict[str, dict[str, dict]]:

@@ -19,7 +19,7 @@ from kvgen.tune import tuner  # noqa: E402
 SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 SPACE = load_space(SPEC.template)
 BUCKET = {"num_tokens": 65536}
-ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "x", "triton": "3.6.0"}
+ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "2.13.0", "triton": "3.6.0"}
 
 
 def fake_time(meta):
@@ -217,6 +217,28 @@ def test_bad_files_warn_and_fall_back(override, caplog, breakage):
     with caplog.at_level(logging.WARNING, logger="kvgen"):
         assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
     assert caplog.records, "a bad config must be reported"
+
+
+def test_a_file_from_another_triton_is_ignored_and_torch_or_cuda_only_warn(override, caplog,
+                                                                          monkeypatch):  # fmt: skip
+    import torch
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.6.1")  # the same major.minor: used
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the warning is for GPUs
+    _config(override, env={**ENV, "arch": "sm90", "torch": "2.9.1"})
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
+    assert any("torch 2.9.1" in r.getMessage() and "using it" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    configs.reset()
+    caplog.clear()
+    _config(override, env={**ENV, "arch": "sm90", "triton": "3.5.0"})
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
+    assert any("ignoring" in r.getMessage() and "Triton 3.5.0" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
 
 
 def test_files_are_read_once_per_process(override, monkeypatch):
