@@ -30,9 +30,11 @@ from kvgen.tune import tuner
 # quarter of the grid.
 CASES = [
     (MLADecodeSpec(576, 512, "bf16", "portable", "sm90", "gpu"), {"rows": 64}),
-    (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu"),
-     {"num_tokens": 65536, "num_heads": 8}),
-]  # fmt: skip
+    (
+        StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu"),
+        {"num_tokens": 65536, "num_heads": 8},
+    ),
+]
 
 
 def measure_grid(spec, bucket, space, fake: bool, jobs: int = 1) -> dict[str, float | None]:
@@ -71,8 +73,9 @@ def tpe_best(spec, bucket, space, times, n, seed) -> float:
 
     with tempfile.TemporaryDirectory() as d:
         storage = tuner.storage_from(f"{d}/s.journal", None)
-        r = tuner.run_study(spec, bucket, space, lookup, storage=storage, sampler="tpe",
-                            n_trials=n, seed=seed)  # fmt: skip
+        r = tuner.run_study(
+            spec, bucket, space, lookup, storage=storage, sampler="tpe", n_trials=n, seed=seed
+        )
     return r.time_us
 
 
@@ -95,8 +98,7 @@ def main() -> None:
     if args.grids_from:
         old = json.loads(open(args.grids_from).read())
         env = {**old["env"], "grids_from": os.path.basename(args.grids_from)}
-        earlier = {(g["variant"], json.dumps(g["bucket"], sort_keys=True)): g
-                   for g in old["grids"]}  # fmt: skip
+        earlier = {(g["variant"], json.dumps(g["bucket"], sort_keys=True)): g for g in old["grids"]}
     for spec, bucket in CASES:
         space = load_space(spec.template)
         t0 = time.monotonic()
@@ -109,16 +111,31 @@ def main() -> None:
         valid = [t for t in times.values() if t is not None]
         grid_best = min(valid)
         best_point = min((t, k) for k, t in times.items() if t is not None)[1]
-        grids.append({"variant": spec.name, "bucket": bucket, "seconds": grid_seconds,
-                      "best": json.loads(best_point), "times_us": times})  # fmt: skip
+        grids.append(
+            {
+                "variant": spec.name,
+                "bucket": bucket,
+                "seconds": grid_seconds,
+                "best": json.loads(best_point),
+                "times_us": times,
+            }
+        )
         for n in (10, 20, 40):
-            ratios = [tpe_best(spec, bucket, space, times, n, s) / grid_best
-                      for s in range(args.seeds)]  # fmt: skip
-            row = {"variant": spec.name, "bucket": bucket, "grid_points": len(times),
-                   "feasible_points": len(valid), "seeds": args.seeds,
-                   "n_trials": n, "median_ratio": statistics.median(ratios),
-                   "worst_ratio": max(ratios), "grid_best_us": grid_best,
-                   "seeds_within_3pct": sum(r <= 1.03 for r in ratios)}  # fmt: skip
+            ratios = [
+                tpe_best(spec, bucket, space, times, n, s) / grid_best for s in range(args.seeds)
+            ]
+            row = {
+                "variant": spec.name,
+                "bucket": bucket,
+                "grid_points": len(times),
+                "feasible_points": len(valid),
+                "seeds": args.seeds,
+                "n_trials": n,
+                "median_ratio": statistics.median(ratios),
+                "worst_ratio": max(ratios),
+                "grid_best_us": grid_best,
+                "seeds_within_3pct": sum(r <= 1.03 for r in ratios),
+            }
             out.append(row)
             print(
                 f"{spec.name} {bucket}: grid {len(times)} points, best {grid_best:.2f} us; "
@@ -131,8 +148,7 @@ def main() -> None:
 
             env = environment()
         with open(args.json, "w") as f:
-            json.dump({"env": env, "comparison": out, "grids": grids}, f, indent=2,
-                      sort_keys=True)  # fmt: skip
+            json.dump({"env": env, "comparison": out, "grids": grids}, f, indent=2, sort_keys=True)
 
 
 if __name__ == "__main__":

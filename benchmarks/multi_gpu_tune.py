@@ -22,9 +22,28 @@ from pathlib import Path
 
 
 def tune(names, gpus, storage, out, sampler, trials, jobs, log) -> float:
-    cmd = [sys.executable, "-P", "-m", "kvgen", "tune", *names, "--arch", "sm90",
-           "--gpus", str(gpus), "--sampler", sampler, "--trials", str(trials),
-           "--storage", str(storage), "--out", str(out), "--jobs", str(jobs)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvgen",
+        "tune",
+        *names,
+        "--arch",
+        "sm90",
+        "--gpus",
+        str(gpus),
+        "--sampler",
+        sampler,
+        "--trials",
+        str(trials),
+        "--storage",
+        str(storage),
+        "--out",
+        str(out),
+        "--jobs",
+        str(jobs),
+    ]
     t0 = time.monotonic()
     with open(log, "w") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
@@ -67,23 +86,40 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1000)
     ap.add_argument("--json", required=True)
     ap.add_argument("--logs", default=None, help="folder for the runs' logs (default: tmp)")
-    ap.add_argument("--out", default=None,
-                    help="tuned_configs folder the N-GPU run writes (default: tmp)")  # fmt: skip
+    ap.add_argument(
+        "--out", default=None, help="tuned_configs folder the N-GPU run writes (default: tmp)"
+    )
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvgen-mgpu-"))
     logs = Path(args.logs or tmp)
     logs.mkdir(parents=True, exist_ok=True)
     print("warming the Triton cache (every candidate compiled once) ...", flush=True)
-    warm = tune(args.names, 1, tmp / "warm.journal", tmp / "warm", args.sampler, 1, args.jobs,
-                logs / "warm.log")  # fmt: skip
+    warm = tune(
+        args.names,
+        1,
+        tmp / "warm.journal",
+        tmp / "warm",
+        args.sampler,
+        1,
+        args.jobs,
+        logs / "warm.log",
+    )
     print(f"  {warm:.1f} s", flush=True)
     walls = {}
     outs = {1: tmp / "g1", args.gpus: Path(args.out) if args.out else tmp / f"g{args.gpus}"}
     for n in (1, args.gpus):
         print(f"tuning on {n} GPU(s) ...", flush=True)
-        walls[n] = tune(args.names, n, tmp / f"g{n}.journal", outs[n], args.sampler,
-                        args.trials, 1, logs / f"tune-{n}gpu.log")  # fmt: skip
+        walls[n] = tune(
+            args.names,
+            n,
+            tmp / f"g{n}.journal",
+            outs[n],
+            args.sampler,
+            args.trials,
+            1,
+            logs / f"tune-{n}gpu.log",
+        )
         print(f"  {walls[n]:.1f} s", flush=True)
     one, many = entries(outs[1]), entries(outs[args.gpus])
     many = {k: v for k, v in many.items() if k[0] in args.names}
@@ -91,8 +127,13 @@ def main() -> None:
     rows, same = [], 0
     for key in sorted(one):
         a, b = one[key], many.get(key)
-        row = {"variant": key[0], "bucket": key[1], "meta_1gpu": a["meta"],
-               "time_us_1gpu": a["time_us"], "trials_1gpu": a["trials"]}  # fmt: skip
+        row = {
+            "variant": key[0],
+            "bucket": key[1],
+            "meta_1gpu": a["meta"],
+            "time_us_1gpu": a["time_us"],
+            "trials_1gpu": a["trials"],
+        }
         if b is not None:
             row.update(meta_ngpu=b["meta"], time_us_ngpu=b["time_us"], trials_ngpu=b["trials"])
             row["same_winner"] = a["meta"] == b["meta"]
@@ -102,19 +143,36 @@ def main() -> None:
             row["ngpu_winner_in_1gpu_run_us"] = t
             row["winner_gap"] = None if t is None else t / a["time_us"] - 1
         rows.append(row)
-        print(f"  {key[0]} @ {key[1]}: 1 GPU {a['meta']} {a['time_us']:.2f} us; "
-              f"{args.gpus} GPUs {b and b['meta']} {b and b['time_us']:.2f} us"
-              + ("" if b is None or row["same_winner"]
-                 else f" (gap in the 1-GPU timings {row['winner_gap']:+.1%})"))  # fmt: skip
+        print(
+            f"  {key[0]} @ {key[1]}: 1 GPU {a['meta']} {a['time_us']:.2f} us; "
+            f"{args.gpus} GPUs {b and b['meta']} {b and b['time_us']:.2f} us"
+            + (
+                ""
+                if b is None or row["same_winner"]
+                else f" (gap in the 1-GPU timings {row['winner_gap']:+.1%})"
+            )
+        )
     ratio = walls[args.gpus] / walls[1]
-    print(f"wall: 1 GPU {walls[1]:.1f} s, {args.gpus} GPUs {walls[args.gpus]:.1f} s "
-          f"-> x{ratio:.2f} (goal <= 0.6); same winner in {same}/{len(rows)} studies")  # fmt: skip
+    print(
+        f"wall: 1 GPU {walls[1]:.1f} s, {args.gpus} GPUs {walls[args.gpus]:.1f} s "
+        f"-> x{ratio:.2f} (goal <= 0.6); same winner in {same}/{len(rows)} studies"
+    )
     from kvgen.bench.harness import environment
 
-    doc = {"env": environment(), "gpus": args.gpus, "sampler": args.sampler,
-           "trials": args.trials, "names": args.names, "warmup_s": warm,
-           "wall_s_1gpu": walls[1], "wall_s_ngpu": walls[args.gpus], "wall_ratio": ratio,
-           "same_winner": same, "studies": len(rows), "rows": rows}  # fmt: skip
+    doc = {
+        "env": environment(),
+        "gpus": args.gpus,
+        "sampler": args.sampler,
+        "trials": args.trials,
+        "names": args.names,
+        "warmup_s": warm,
+        "wall_s_1gpu": walls[1],
+        "wall_s_ngpu": walls[args.gpus],
+        "wall_ratio": ratio,
+        "same_winner": same,
+        "studies": len(rows),
+        "rows": rows,
+    }
     Path(args.json).write_text(json.dumps(doc, indent=2, sort_keys=True))
 
 

@@ -109,8 +109,9 @@ def _arch(arch: str, hint: str = "ARCH") -> str:
     from kvgen.codegen.spec import ARCHS
 
     if arch not in ARCHS:
-        raise typer.BadParameter(f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}",
-                                 param_hint=hint)  # fmt: skip
+        raise typer.BadParameter(
+            f"unknown arch {arch!r}; expected one of {', '.join(ARCHS)}", param_hint=hint
+        )
     return arch
 
 
@@ -122,8 +123,10 @@ def _target(arch: str | None, target: str | None) -> tuple[str, str]:
     arch = _arch(arch or local_arch, "--arch")
     target = target or local_tgt
     if target not in TARGETS:
-        raise typer.BadParameter(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}",
-                                 param_hint="--target")  # fmt: skip
+        raise typer.BadParameter(
+            f"unknown target {target!r}; expected one of {', '.join(TARGETS)}",
+            param_hint="--target",
+        )
     return arch, target
 
 
@@ -221,8 +224,9 @@ def verify_cmd(
     specs = _specs(names, arch, target)
     elsewhere = [s.name for s in specs if (s.arch, s.target) != (arch, target)]
     if elsewhere:
-        raise _fail(f"this machine runs {arch}/{target} variants; cannot verify "
-                    f"{', '.join(elsewhere)}")  # fmt: skip
+        raise _fail(
+            f"this machine runs {arch}/{target} variants; cannot verify {', '.join(elsewhere)}"
+        )
     results = []
     with err.status("verifying") as status:
         for i, spec in enumerate(specs, 1):
@@ -232,9 +236,15 @@ def verify_cmd(
     if as_json:
         import dataclasses
 
-        _print_json({"arch": arch, "target": target, "passed": len(results) - failed,
-                     "failed": failed,
-                     "results": [dataclasses.asdict(r) for r in results]})  # fmt: skip
+        _print_json(
+            {
+                "arch": arch,
+                "target": target,
+                "passed": len(results) - failed,
+                "failed": failed,
+                "results": [dataclasses.asdict(r) for r in results],
+            }
+        )
     else:
         table = Table(title=f"kvgen verify ({arch}, {target})")
         for col in ("variant", "result", "mismatched", "max error", "detail"):
@@ -347,8 +357,17 @@ def bench_cmd(
         err.print(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
     out = _console(wide)
     table = Table(title=f"kvgen bench on {env['device']} (copy {copy_bw / 1e9:.0f} GB/s)")
-    cols = ["variant", "tokens", "graph us", "eager us", "GB/s", "x copy BW", "copy us",
-            "x copy time", "ok"]  # fmt: skip
+    cols = [
+        "variant",
+        "tokens",
+        "graph us",
+        "eager us",
+        "GB/s",
+        "x copy BW",
+        "copy us",
+        "x copy time",
+        "ok",
+    ]
     if compare_default:
         cols.insert(3, "default us")
     for col in cols:
@@ -370,9 +389,17 @@ def bench_cmd(
             cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
     rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
     for r in rows:
-        cells = [r.variant, str(r.num_tokens), f"{r.graph_us:.2f}", f"{r.eager_us:.2f}",
-                 f"{r.gbps:.0f}", f"{r.bw_ratio:.3f}", f"{r.copy_graph_us:.2f}",
-                 f"{r.latency_ratio:.2f}", _ok(r.correct)]  # fmt: skip
+        cells = [
+            r.variant,
+            str(r.num_tokens),
+            f"{r.graph_us:.2f}",
+            f"{r.eager_us:.2f}",
+            f"{r.gbps:.0f}",
+            f"{r.bw_ratio:.3f}",
+            f"{r.copy_graph_us:.2f}",
+            f"{r.latency_ratio:.2f}",
+            _ok(r.correct),
+        ]
         if compare_default:
             cells.insert(3, f"{r.default_graph_us:.2f}")
         table.add_row(*cells)
@@ -390,20 +417,47 @@ def bench_cmd(
             )
         mm = decode.matmul_rate(device)
         err.print(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
-        decode_rows = decode.run(device, copy_bw, mm, progress=lambda r: err.print(
-            f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"))  # fmt: skip
-        dt = Table(title=f"MLA decode, batch 128, page 64 (copy {copy_bw / 1e9:.0f} GB/s, "
-                         f"matmul {mm / 1e12:.0f} TFLOP/s)")  # fmt: skip
-        for col in ("variant", "lengths", "heads", "us", "KV GB/s", "TFLOP/s", "x copy BW",
-                    "x matmul", "ok"):  # fmt: skip
+        decode_rows = decode.run(
+            device,
+            copy_bw,
+            mm,
+            progress=lambda r: err.print(
+                f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
+            ),
+        )
+        dt = Table(
+            title=f"MLA decode, batch 128, page 64 (copy {copy_bw / 1e9:.0f} GB/s, "
+            f"matmul {mm / 1e12:.0f} TFLOP/s)"
+        )
+        for col in (
+            "variant",
+            "lengths",
+            "heads",
+            "us",
+            "KV GB/s",
+            "TFLOP/s",
+            "x copy BW",
+            "x matmul",
+            "ok",
+        ):
             dt.add_column(col, justify="left" if col in ("variant", "lengths") else "right")
         for r in decode_rows:
-            dt.add_row(r.variant, r.lengths, str(r.heads), f"{r.graph_us:.1f}", f"{r.gbps:.0f}",
-                       f"{r.tflops:.0f}", f"{r.bw_ratio:.2f}", f"{r.mm_ratio:.2f}",
-                       _ok(r.correct))  # fmt: skip
+            dt.add_row(
+                r.variant,
+                r.lengths,
+                str(r.heads),
+                f"{r.graph_us:.1f}",
+                f"{r.gbps:.0f}",
+                f"{r.tflops:.0f}",
+                f"{r.bw_ratio:.2f}",
+                f"{r.mm_ratio:.2f}",
+                _ok(r.correct),
+            )
         out.print(dt)
-        out.print("goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
-                  "mixed within 10% of equal")  # fmt: skip
+        out.print(
+            "goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
+            "mixed within 10% of equal"
+        )
     from dataclasses import asdict
 
     doc = {
@@ -566,11 +620,14 @@ def tune_cmd(
         # Triton specialises integer arguments (== 1, multiples of 16): compile with a middle
         # bucket, which shares its binaries with most of the others.
         mine = [b for s, _, b in jobs if s.name == spec.name]
-        if any(tuner.finished_trials(spec, b, store) < tuner.budget(space, sampler, trials, spec, b)
-               for b in mine):  # fmt: skip
+        if any(
+            tuner.finished_trials(spec, b, store) < tuner.budget(space, sampler, trials, spec, b)
+            for b in mine
+        ):
             # (a resumed run may have finished every study of this variant)
-            precompile(spec, mine[len(mine) // 2], space.feasible(spec), workers,
-                       progress=err.print)  # fmt: skip
+            precompile(
+                spec, mine[len(mine) // 2], space.feasible(spec), workers, progress=err.print
+            )
 
     results: dict[str, list] = {}
     try:
@@ -582,19 +639,23 @@ def tune_cmd(
                         seen.add(spec.name)
                         precompile_variant(spec, space)
             for spec, space, bucket in jobs:  # before any worker starts: see tuner.open_study
-                tuner.open_study(spec, bucket, space, storage=store, sampler=sampler,
-                                 n_trials=trials)  # fmt: skip
+                tuner.open_study(
+                    spec, bucket, space, storage=store, sampler=sampler, n_trials=trials
+                )
             plan = parallel.Plan(
                 jobs=[(spec, bucket) for spec, _, bucket in jobs],
                 storage=storage if storage and "://" in storage else str(storage or default_store),
-                sampler=sampler, n_trials=trials,
+                sampler=sampler,
+                n_trials=trials,
                 deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
-            )  # fmt: skip
+            )
             t0 = time.monotonic()
             exits = parallel.run_workers(plan, devices, log=err.print)
             dead = [e for e in exits if e.returncode != 0]
-            err.print(f"workers done in {time.monotonic() - t0:.1f} s"
-                      + (f"; {len(dead)} died (re-run to resume)" if dead else ""))  # fmt: skip
+            err.print(
+                f"workers done in {time.monotonic() - t0:.1f} s"
+                + (f"; {len(dead)} died (re-run to resume)" if dead else "")
+            )
             factory = parallel.evaluator_factory(plan)
             for i, (spec, _, bucket) in enumerate(jobs, 1):
                 r = tuner.load_result(spec, bucket, store)
@@ -616,8 +677,17 @@ def tune_cmd(
                         err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
 
                 evaluate = problems.gpu_evaluator(spec, bucket)
-                r = tuner.run_study(spec, bucket, space, evaluate, storage=store, sampler=sampler,
-                                    n_trials=trials, deadline=deadline, on_trial=show)  # fmt: skip
+                r = tuner.run_study(
+                    spec,
+                    bucket,
+                    space,
+                    evaluate,
+                    storage=store,
+                    sampler=sampler,
+                    n_trials=trials,
+                    deadline=deadline,
+                    on_trial=show,
+                )
                 if r.meta is not None and _confirming(confirm, deadline):
                     r = tuner.confirm(spec, bucket, store, evaluate, top=confirm)
                 _report(r, label)
@@ -630,8 +700,9 @@ def tune_cmd(
         err.print("\ninterrupted: nothing written; the same command resumes the studies")
         raise typer.Exit(130) from None
     for family, rs in results.items():
-        path = tuner.write_results(out or tuned_configs_dir(), arch, family, rs, env,
-                                   sampler, trials)  # fmt: skip
+        path = tuner.write_results(
+            out or tuned_configs_dir(), arch, family, rs, env, sampler, trials
+        )
         err.print(f"wrote {path}")
 
 
@@ -676,10 +747,14 @@ def _bench_only_specs(arch: str) -> list:
     from kvgen.families.per_token_head import FORMATS, StoreKVInt4Spec, StoreKVPerTokenHeadSpec
 
     listed = {s.name for s in registry.variants(arch, "gpu")}
-    specs = [spec for _, d in KV_SHAPES
-             for spec in [*(StoreKVPerTokenHeadSpec(f, d, d, "bf16", arch, "gpu")
-                            for f in FORMATS),
-                          StoreKVInt4Spec(32, d, d, "bf16", arch, "gpu")]]  # fmt: skip
+    specs = [
+        spec
+        for _, d in KV_SHAPES
+        for spec in [
+            *(StoreKVPerTokenHeadSpec(f, d, d, "bf16", arch, "gpu") for f in FORMATS),
+            StoreKVInt4Spec(32, d, d, "bf16", arch, "gpu"),
+        ]
+    ]
     return [s for s in specs if s.name not in listed]
 
 
@@ -715,16 +790,25 @@ def show_cmd(
         _need_matplotlib()
     files = configs.files(arch)
     if not files:
-        raise _fail(f"no tuned configs for {arch} (looked in "
-                    f"{', '.join(map(str, configs.folders(arch)))})", code=1)  # fmt: skip
+        raise _fail(
+            f"no tuned configs for {arch} (looked in {', '.join(map(str, configs.folders(arch)))})",
+            code=1,
+        )
     docs = []
     for path in files:
         doc, errors = configs.read(path, arch)
         if errors:
             err.print(Text(f"{path}: invalid ({'; '.join(errors[:3])})", "yellow"))
             continue
-        docs.append({"file": str(path), "family": doc["family"], "env": doc["env"],
-                     "provenance": doc["provenance"], "rows": configs.rows(doc)})  # fmt: skip
+        docs.append(
+            {
+                "file": str(path),
+                "family": doc["family"],
+                "env": doc["env"],
+                "provenance": doc["provenance"],
+                "rows": configs.rows(doc),
+            }
+        )
     if as_json:
         _print_json({"arch": arch, "files": docs})
     else:
@@ -737,9 +821,15 @@ def show_cmd(
                 table.add_column(col, justify="right" if right else "left")
             for r in d["rows"]:
                 meta = " ".join(f"{k}={v}" for k, v in sorted(r["meta"].items()))
-                table.add_row(r["variant"], r["bucket"], meta, f"{r['time_us']:.2f}",
-                              f"{r['default_time_us']:.2f}", f"{r['speedup']:.2f}",
-                              "yes" if r["used"] else "")  # fmt: skip
+                table.add_row(
+                    r["variant"],
+                    r["bucket"],
+                    meta,
+                    f"{r['time_us']:.2f}",
+                    f"{r['default_time_us']:.2f}",
+                    f"{r['speedup']:.2f}",
+                    "yes" if r["used"] else "",
+                )
             out.print(table)
     if plot is not None:
         plots.show_plot(arch, docs, plot)

@@ -169,16 +169,24 @@ def _load(arch: str, family: str, override: str | None) -> tuple[Path | None, di
             continue
         hard, soft = env_mismatch(doc["env"])
         if hard:
-            log.warning("kvgen: ignoring tuned config %s: it was measured with %s (its configs "
-                        "were timed on other generated code)", path, "; ".join(hard))  # fmt: skip
+            log.warning(
+                "kvgen: ignoring tuned config %s: it was measured with %s (its configs "
+                "were timed on other generated code)",
+                path,
+                "; ".join(hard),
+            )
             continue
         if soft:
             # a matter of speed only: worth a warning where kernels run on a GPU
             import torch
 
             level = logging.WARNING if torch.cuda.is_available() else logging.INFO
-            log.log(level, "kvgen: tuned config %s was measured with %s; using it", path,
-                    "; ".join(soft))  # fmt: skip
+            log.log(
+                level,
+                "kvgen: tuned config %s was measured with %s; using it",
+                path,
+                "; ".join(soft),
+            )
         log.info("kvgen: tuned configs for %s/%s from %s", arch, family, path)
         return path, doc["entries"]
     return None, {}
@@ -243,9 +251,15 @@ def _once(key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
 
 def _debug_once(spec, size: dict[str, int], how: str, meta: dict[str, int]) -> None:
     # One line per specialisation and bucket (or fallback) at DEBUG: which config a call used.
-    _once(f"{spec.name} {how}", "kvgen: %s at %s: %s -> %s", spec.name,
-          ",".join(f"{k}={v}" for k, v in sorted(size.items())), how, meta,
-          level=logging.DEBUG)  # fmt: skip
+    _once(
+        f"{spec.name} {how}",
+        "kvgen: %s at %s: %s -> %s",
+        spec.name,
+        ",".join(f"{k}={v}" for k, v in sorted(size.items())),
+        how,
+        meta,
+        level=logging.DEBUG,
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -258,14 +272,23 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     if not entries:
         # loud on a GPU; the interpreter runs many variants nobody tunes
         level = logging.WARNING if spec.target == "gpu" else logging.INFO
-        _once(spec.name, "kvgen: no tuned config for %s; using the template's defaults %s",
-              name, defaults, level=level)  # fmt: skip
+        _once(
+            spec.name,
+            "kvgen: no tuned config for %s; using the template's defaults %s",
+            name,
+            defaults,
+            level=level,
+        )
         _debug_once(spec, size, "no tuned entry, template defaults", defaults)
         return defaults
     key = nearest_bucket(list(entries), size)
     if key is None:
-        _once(spec.name + "?", "kvgen: tuned config for %s has no bucket over %s; defaults",
-              name, sorted(size))  # fmt: skip
+        _once(
+            spec.name + "?",
+            "kvgen: tuned config for %s has no bucket over %s; defaults",
+            name,
+            sorted(size),
+        )
         _debug_once(spec, size, "no bucket over these sizes, template defaults", defaults)
         return defaults
     meta = entries[key]["meta"]
@@ -278,8 +301,15 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     # was the kernel's behaviour when the entry was measured).
     meta = {k: meta.get(k, defaults.get(k)) for k in set(meta) | set(space.params)}
     if not space.allows(meta):
-        _once(spec.name + "#", "kvgen: tuned entry %s [%s] = %s is outside the search space of "
-              "%s; using the template's defaults", name, key, meta, spec.template)  # fmt: skip
+        _once(
+            spec.name + "#",
+            "kvgen: tuned entry %s [%s] = %s is outside the search space of "
+            "%s; using the template's defaults",
+            name,
+            key,
+            meta,
+            spec.template,
+        )
         _debug_once(spec, size, "tuned entry outside the space, template defaults", defaults)
         return defaults
     _debug_once(spec, size, f"tuned {path} [{key}]", meta)

@@ -87,8 +87,12 @@ def evaluate(expr: str, names: dict[str, Any]) -> Any:
                     return False
                 left = right
             return True
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in _FUNCS and not node.keywords):  # fmt: skip
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in _FUNCS
+            and not node.keywords
+        ):
             return _FUNCS[node.func.id](*[ev(a) for a in node.args])
         raise SpaceError(f"{ast.dump(node)[:60]} is not allowed in constraint {expr!r}")
 
@@ -112,16 +116,19 @@ class Space:
     def points(self) -> list[dict[str, Any]]:
         """Every combination of parameter values (the exhaustive grid)."""
         keys = list(self.params)
-        return [dict(zip(keys, vals, strict=True))
-                for vals in itertools.product(*self.params.values())]  # fmt: skip
+        return [
+            dict(zip(keys, vals, strict=True)) for vals in itertools.product(*self.params.values())
+        ]
 
     def bucket_list(self) -> list[dict[str, int]]:
         keys = list(self.buckets)
-        return [dict(zip(keys, vals, strict=True))
-                for vals in itertools.product(*self.buckets.values())]  # fmt: skip
+        return [
+            dict(zip(keys, vals, strict=True)) for vals in itertools.product(*self.buckets.values())
+        ]
 
-    def violations(self, spec, meta: dict[str, Any],
-                   bucket: dict[str, int] | None = None) -> list[str]:  # fmt: skip
+    def violations(
+        self, spec, meta: dict[str, Any], bucket: dict[str, int] | None = None
+    ) -> list[str]:
         """Names of the constraints ``meta`` breaks for ``spec`` (empty: it may be compiled),
         and with ``bucket`` also the bucket constraints (empty: it is worth timing there)."""
         names = {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch], **meta}

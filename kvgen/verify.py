@@ -311,8 +311,9 @@ def verify_store_kv(spec, device, tokens: int = 24, heads: int = 3, seed: int = 
     max_error = 0.0
     if mismatched:
         for cache_i, scale_i, hs in ((0, 2, spec.head_size), (1, 3, spec.head_size_v)):
-            got = ref.gather(caches[cache_i].view.cpu(), caches[scale_i].view.cpu(),
-                             slots.cpu(), hs)  # fmt: skip
+            got = ref.gather(
+                caches[cache_i].view.cpu(), caches[scale_i].view.cpu(), slots.cpu(), hs
+            )
             exp = ref.gather(want[cache_i], want[scale_i], slots.cpu(), hs)
             max_error = max(max_error, float((got - exp).abs().nan_to_num(math.inf).max()))
     return Result(spec.name, mismatched == 0, mismatched, max_error)
@@ -331,8 +332,11 @@ def verify_mla_decode(spec, device, seed: int = 0) -> Result:
     dtype = _dtypes.TORCH[spec.dtype]
     # Pages of 16 keys, or the smallest size above that the variant's launcher accepts (the tma
     # variant's tiles never cross a page).
-    page = next(p for p in (16, math.lcm(16, meta_p["block_n"]))
-                if _accepts(module, torch.empty(1, p, 1, spec.head_dim, dtype=dtype), meta_p))
+    page = next(
+        p
+        for p in (16, math.lcm(16, meta_p["block_n"]))
+        if _accepts(module, torch.empty(1, p, 1, spec.head_dim, dtype=dtype), meta_p)
+    )
     need = [-(-n // page) for n in seqlens]
     blocks = sum(need) + 2
     k = torch.randn(blocks, page, 1, spec.head_dim, generator=gen).to(dtype)
@@ -345,8 +349,17 @@ def verify_mla_decode(spec, device, seed: int = 0) -> Result:
     q = torch.randn(len(seqlens), s_q, h_q, spec.head_dim, generator=gen).to(dtype)
     sl = torch.tensor(seqlens, dtype=torch.int32)
     meta, splits = get_mla_metadata(sl.to(device), s_q * h_q, 1)
-    out, lse = module.launch(q.to(device), k.to(device), table.to(device), sl.to(device),
-                             meta, splits, spec.head_dim**-0.5, True, **meta_p)  # fmt: skip
+    out, lse = module.launch(
+        q.to(device),
+        k.to(device),
+        table.to(device),
+        sl.to(device),
+        meta,
+        splits,
+        spec.head_dim**-0.5,
+        True,
+        **meta_p,
+    )
     ref_out, ref_lse = mla_decode(q, k, table, sl, spec.head_dim_v, causal=True)
     rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
     finite = torch.isfinite(ref_lse)
@@ -408,8 +421,11 @@ def accuracy_table(rows: int = 2048, width: int = 512, seed: int = 0) -> list[di
     datasets = {"gaussian": gauss, "student-t(3)": t3, "50x outlier channels": outliers}
 
     formats = {}
-    for dtype, name in ((torch.int8, "int8"), (torch.float8_e4m3fn, "fp8 e4m3"),
-                        (torch.float8_e5m2, "fp8 e5m2")):  # fmt: skip
+    for dtype, name in (
+        (torch.int8, "int8"),
+        (torch.float8_e4m3fn, "fp8 e4m3"),
+        (torch.float8_e5m2, "fp8 e5m2"),
+    ):
         formats[f"{name} per token-head"] = lambda x, d=dtype: pth.dequantize_per_token_head(
             *pth.quantize_per_token_head(x, d)
         )

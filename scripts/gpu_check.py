@@ -47,14 +47,20 @@ def mxfp4_store_and_gather() -> None:
 
 
 def per_token_head_stores() -> None:
-    specs = [s for s in registry.variants(*runtime.local_target())
-             if s.family.startswith("store_kv") and s.in_dtype == "bf16"
-             and (s.head_size, s.head_size_v) in ((128, 128), (576, 512))
-             and getattr(s, "channels", 32) == 32]  # fmt: skip
+    specs = [
+        s
+        for s in registry.variants(*runtime.local_target())
+        if s.family.startswith("store_kv")
+        and s.in_dtype == "bf16"
+        and (s.head_size, s.head_size_v) in ((128, 128), (576, 512))
+        and getattr(s, "channels", 32) == 32
+    ]
     for spec in specs:
-        op = (triton_reshape_and_cache_flash_int4_per_token_head
-              if spec.family == "store_kv_int4_per_token_head"
-              else triton_reshape_and_cache_flash_per_token_head_quant)  # fmt: skip
+        op = (
+            triton_reshape_and_cache_flash_int4_per_token_head
+            if spec.family == "store_kv_int4_per_token_head"
+            else triton_reshape_and_cache_flash_per_token_head_quant
+        )
         caches = make_kv_caches(spec, 6, 8, 2, DEV, layout="hnd")
         expected = [c.backing.cpu().clone() for c in caches]
         want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
@@ -65,8 +71,7 @@ def per_token_head_stores() -> None:
         pth.store(key.cpu(), value.cpu(), *want, slots.cpu())
         same = all(torch.equal(c.backing.cpu(), e) for c, e in zip(caches, expected, strict=True))
         check(spec.name, same)
-        gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size,
-                                 spec.head_size_v)  # fmt: skip
+        gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size, spec.head_size_v)
 
 
 def decodes() -> None:
@@ -85,13 +90,13 @@ def decodes() -> None:
             i += nb
         sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
         q = torch.randn(len(lengths), 2, 16, spec.head_dim, device=DEV).to(torch.bfloat16)
-        ref, _ = mla_decode(q.cpu(), k.cpu(), table.cpu(), sl.cpu(), spec.head_dim_v,
-                            causal=True)  # fmt: skip
+        ref, _ = mla_decode(q.cpu(), k.cpu(), table.cpu(), sl.cpu(), spec.head_dim_v, causal=True)
         meta, splits = get_mla_metadata(sl, 32, 1)
         for roles in (0, 1) if spec.variant == "wgmma" else (None,):
             mp = spec.default_meta(rows=32) | ({"roles": roles} if roles is not None else {})
-            out, _ = load(spec).launch(q, k, table, sl, meta, splits, spec.head_dim**-0.5,
-                                       True, **mp)  # fmt: skip
+            out, _ = load(spec).launch(
+                q, k, table, sl, meta, splits, spec.head_dim**-0.5, True, **mp
+            )
             rel = float((out.cpu().double() - ref).norm() / ref.norm())
             check(f"{spec.name} {mp}", rel < 1e-2)
 

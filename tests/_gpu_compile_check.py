@@ -49,9 +49,13 @@ for spec in (
 ):
     words = "*i64" if spec.in_dtype == "fp32" else "*i32"
     for rows, warps in ((1, 4), (4, 2)):
-        compile_fn(spec.name, load(spec).store_kernel,
-                   {"words_ptr": words, "slot_ptr": "*i64", "cache_ptr": "*u8"},
-                   {"ROWS": rows}, warps)  # fmt: skip
+        compile_fn(
+            spec.name,
+            load(spec).store_kernel,
+            {"words_ptr": words, "slot_ptr": "*i64", "cache_ptr": "*u8"},
+            {"ROWS": rows},
+            warps,
+        )
 spec = GatherMXFP4MLASpec(32, 448, "bf16", "paged")
 compile_fn(
     spec.name,
@@ -60,22 +64,31 @@ compile_fn(
     {"ROWS": 4},
 )
 
-for spec in (StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
-             StoreKVPerTokenHeadSpec("fp8e4m3", 576, 512, "bf16"),
-             StoreKVPerTokenHeadSpec("fp8e5m2", 80, 96, "fp16"),
-             StoreKVInt4Spec(32, 128, 128, "bf16"),
-             StoreKVInt4Spec(16, 80, 64, "fp32"),
-             StoreKVInt4Spec(64, 576, 512, "fp16"),
-             StoreKVInt4Spec(32, 81, 63, "bf16")):  # fmt: skip
+for spec in (
+    StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
+    StoreKVPerTokenHeadSpec("fp8e4m3", 576, 512, "bf16"),
+    StoreKVPerTokenHeadSpec("fp8e5m2", 80, 96, "fp16"),
+    StoreKVInt4Spec(32, 128, 128, "bf16"),
+    StoreKVInt4Spec(16, 80, 64, "fp32"),
+    StoreKVInt4Spec(64, 576, 512, "fp16"),
+    StoreKVInt4Spec(32, 81, 63, "bf16"),
+):
     cache = {"int8": "*i8", "fp8e4m3": "*fp8e4nv", "fp8e5m2": "*fp8e5"}.get(
-        getattr(spec, "fmt", ""), "*u8")  # fmt: skip
+        getattr(spec, "fmt", ""), "*u8"
+    )
     scale = "*fp16" if cache == "*u8" else "*fp32"
     src = PTR[spec.in_dtype]
     if getattr(load(spec), "WORD_DTYPE", None) is not None:  # int4 reads pairs as words
         src = "*i64" if spec.in_dtype == "fp32" else "*i32"
-    types = {"key_ptr": src, "value_ptr": src,
-             "key_cache_ptr": cache, "value_cache_ptr": cache, "k_scale_ptr": scale,
-             "v_scale_ptr": scale, "slot_ptr": "*i64"}  # fmt: skip
+    types = {
+        "key_ptr": src,
+        "value_ptr": src,
+        "key_cache_ptr": cache,
+        "value_cache_ptr": cache,
+        "k_scale_ptr": scale,
+        "v_scale_ptr": scale,
+        "slot_ptr": "*i64",
+    }
     if isinstance(spec, StoreKVInt4Spec):  # scale groups a program, 64-bit unit indices
         for units, wide in ((32, False), (256, False), (64, True)):
             compile_fn(spec.name, load(spec).store_kernel, types, {"UNITS": units, "WIDE": wide})
@@ -94,32 +107,70 @@ for spec in (
 ):
     mod = load(spec)
     dt = PTR[spec.dtype]
-    types = {"q_ptr": dt, "k_ptr": dt, "block_table_ptr": "*i32", "seqlens_ptr": "*i32",
-             "meta_ptr": "*i32", "num_splits_ptr": "*i32", "o_acc_ptr": "*fp32",
-             "lse_acc_ptr": "*fp32", "out_ptr": dt, "lse_ptr": "*fp32",
-             "scale_log2": "fp32"}  # fmt: skip
+    types = {
+        "q_ptr": dt,
+        "k_ptr": dt,
+        "block_table_ptr": "*i32",
+        "seqlens_ptr": "*i32",
+        "meta_ptr": "*i32",
+        "num_splits_ptr": "*i32",
+        "o_acc_ptr": "*fp32",
+        "lse_acc_ptr": "*fp32",
+        "out_ptr": dt,
+        "lse_ptr": "*fp32",
+        "scale_log2": "fp32",
+    }
     if spec.variant == "wgmma":  # Gluon: two warpgroups, 64 rows, 16-64 keys a tile
         for bn, bufs, in_page in ((64, 2, True), (32, 3, False), (16, 2, True)):
-            compile_fn(spec.name, mod.split_kernel, types,
-                       {"CAUSAL": bn == 32, "BLOCK_H": 64, "BLOCK_N": bn, "NUM_BUF": bufs,
-                        "TILE_IN_PAGE": in_page}, warps=8,
-                       aligned=("k_ptr", "stride_k_block", "stride_k_row"))  # fmt: skip
+            compile_fn(
+                spec.name,
+                mod.split_kernel,
+                types,
+                {
+                    "CAUSAL": bn == 32,
+                    "BLOCK_H": 64,
+                    "BLOCK_N": bn,
+                    "NUM_BUF": bufs,
+                    "TILE_IN_PAGE": in_page,
+                },
+                warps=8,
+                aligned=("k_ptr", "stride_k_block", "stride_k_row"),
+            )
         # roles=1: three 4-warp partitions (warp_specialize), registers set per partition
         # K tiles by TMA (descriptors typed with their shared layouts, as Gluon's are) or by
         # cp.async (the descriptor arguments are then the cache itself, unused)
-        for bn, bufs, in_page, tma in ((64, 2, True, True), (64, 2, True, False),
-                                       (32, 4, False, False)):  # fmt: skip
+        for bn, bufs, in_page, tma in (
+            (64, 2, True, True),
+            (64, 2, True, False),
+            (32, 4, False, False),
+        ):
             rope = spec.head_dim - spec.head_dim_v
             for arg, width in (("k_lat_desc", spec.head_dim_v), ("k_rope_desc", rope)):
                 width = width or spec.head_dim_v  # (no rope: the latent descriptor twice)
                 layout = gl.NVMMASharedLayout.get_default_for([bn, width], GL[spec.dtype])
                 types[arg] = f"tensordesc<{spec.dtype}[{bn}, {width}],{layout!r}>" if tma else dt
-            compile_fn(spec.name + " roles", mod.split_kernel_roles, types,
-                       {"CAUSAL": bn == 32, "BLOCK_N": bn, "NUM_BUF": bufs,
-                        "TILE_IN_PAGE": in_page, "USE_TMA": tma}, warps=4,
-                       maxnreg=mod.ROLES_MAXNREG,
-                       aligned=("k_ptr", "stride_k_block", "stride_k_row", "q_ptr",
-                                "stride_q_batch", "stride_q_row"))  # fmt: skip
+            compile_fn(
+                spec.name + " roles",
+                mod.split_kernel_roles,
+                types,
+                {
+                    "CAUSAL": bn == 32,
+                    "BLOCK_N": bn,
+                    "NUM_BUF": bufs,
+                    "TILE_IN_PAGE": in_page,
+                    "USE_TMA": tma,
+                },
+                warps=4,
+                maxnreg=mod.ROLES_MAXNREG,
+                aligned=(
+                    "k_ptr",
+                    "stride_k_block",
+                    "stride_k_row",
+                    "q_ptr",
+                    "stride_q_batch",
+                    "stride_q_row",
+                ),
+            )
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
         if spec.variant == "tma":
             chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v
@@ -127,12 +178,24 @@ for spec in (
             types["k_rope_desc"] = f"tensordesc<{spec.dtype}[{bn}, {rope}]>"
             types["q_desc"] = f"tensordesc<{spec.dtype}[{bh}, {chunk}]>"
             types["q_rope_desc"] = f"tensordesc<{spec.dtype}[{bh}, {rope}]>"
-        compile_fn(spec.name, mod.split_kernel, types,
-                   {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2,
-                    "PAGE_AHEAD": bh == 16}
-                   | ({} if spec.variant == "tma" else {"TILE_IN_PAGE": bh == 64}))  # fmt: skip
-    compile_fn(spec.name, mod.combine_kernel,
-               {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "num_splits_ptr": "*i32",
-                "out_ptr": dt, "lse_ptr": "*fp32"}, {"BLOCK_H": 16, "BLOCK_V": 128})  # fmt: skip
+        compile_fn(
+            spec.name,
+            mod.split_kernel,
+            types,
+            {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2, "PAGE_AHEAD": bh == 16}
+            | ({} if spec.variant == "tma" else {"TILE_IN_PAGE": bh == 64}),
+        )
+    compile_fn(
+        spec.name,
+        mod.combine_kernel,
+        {
+            "o_acc_ptr": "*fp32",
+            "lse_acc_ptr": "*fp32",
+            "num_splits_ptr": "*i32",
+            "out_ptr": dt,
+            "lse_ptr": "*fp32",
+        },
+        {"BLOCK_H": 16, "BLOCK_V": 128},
+    )
 
 sys.exit(1 if failures else 0)

@@ -187,8 +187,9 @@ def test_bracketed_text_is_printed_as_written(monkeypatch):
     from kvgen import verify
 
     msg = "k_scale_cache must be [num_blocks, block_size, num_kv_heads]"
-    monkeypatch.setattr(verify, "verify", lambda spec, device: verify.Result(
-        spec.name, False, 1, 1.0, msg))  # fmt: skip
+    monkeypatch.setattr(
+        verify, "verify", lambda spec, device: verify.Result(spec.name, False, 1, 1.0, msg)
+    )
     result = runner.invoke(app, ["verify", f"mla_decode-d288-dv256-fp16-portable-{ARCH}-{TARGET}"])
     assert result.exit_code == 1
     assert msg in result.stdout
@@ -248,13 +249,23 @@ def test_bench_plot_from_a_bench_document(tmp_path):
     pytest.importorskip("matplotlib")
     from kvgen.bench import plots
 
-    stores = [{"variant": f"store_kv_int8-h{h}", "num_tokens": t, "gbps": 10.0 * t ** 0.5 * h}
-              for h in (1, 8) for t in (1, 16, 4096)]  # fmt: skip
-    decode = [{"variant": v, "lengths": "equal 4096", "heads": h, "tflops": h * 3.0}
-              for v in ("auto", "mla_decode-d576-dv512-bf16-wgmma-sm90-gpu")
-              for h in (16, 32, 64, 128)]  # fmt: skip
-    doc = {"env": {"device": "test", "commit": "abc"}, "copy_bandwidth_GBps": 4000.0,
-           "matmul_TFLOPs": 700.0, "results": stores, "decode": decode}  # fmt: skip
+    stores = [
+        {"variant": f"store_kv_int8-h{h}", "num_tokens": t, "gbps": 10.0 * t**0.5 * h}
+        for h in (1, 8)
+        for t in (1, 16, 4096)
+    ]
+    decode = [
+        {"variant": v, "lengths": "equal 4096", "heads": h, "tflops": h * 3.0}
+        for v in ("auto", "mla_decode-d576-dv512-bf16-wgmma-sm90-gpu")
+        for h in (16, 32, 64, 128)
+    ]
+    doc = {
+        "env": {"device": "test", "commit": "abc"},
+        "copy_bandwidth_GBps": 4000.0,
+        "matmul_TFLOPs": 700.0,
+        "results": stores,
+        "decode": decode,
+    }
     path = plots.bench_plot(doc, tmp_path / "bench.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     only_stores = plots.bench_plot({**doc, "decode": []}, tmp_path / "stores.png")

@@ -232,11 +232,12 @@ def test_project_sources_pass_the_linter():
     root = _pyproject()
     if root is None:  # an installed copy without the checkout around it
         pytest.skip("needs the source checkout")
-    paths = [str(root.parent / p) for p in ("kvgen", "tests", "benchmarks")]
-    result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", *paths], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout
+    paths = [str(root.parent / p) for p in ("kvgen", "tests", "benchmarks", "scripts")]
+    for command in (["check"], ["format", "--check", "--diff"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, *paths], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_subpackage_is_packaged():

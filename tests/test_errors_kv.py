@@ -51,20 +51,56 @@ def test_int8_fp8_arguments(device):
     _raises(op, a, ValueError, "key must be 3-D", key=a["key"][0])
     _raises(op, a, ValueError, "must agree on", value=a["value"][:, :1])
     _raises(op, a, ValueError, "slot_mapping has 3 entries", slot_mapping=a["slot_mapping"][:3])
-    _raises(op, a, ValueError, "is not a per-token-head format",
-            key_cache=a["key_cache"].half(), value_cache=a["value_cache"].half())  # fmt: skip
-    _raises(op, a, ValueError, "key_cache has 1 kv heads but key has 2",
-            key_cache=a["key_cache"][:, :, :1])  # fmt: skip
-    _raises(op, a, ValueError, "key_cache head is 32 wide; expected head_size 64",
-            key_cache=a["key_cache"][..., :32])  # fmt: skip
-    _raises(op, a, ValueError, "value_cache head is 64 wide; expected head_size_v 80",
-            value_cache=torch.zeros(NB, BS, H, D, dtype=torch.int8, device=device))  # fmt: skip
-    _raises(op, a, TypeError, "value_cache must have key_cache's dtype",
-            value_cache=a["value_cache"].view(torch.float8_e4m3fn))  # fmt: skip
-    _raises(op, a, ValueError, "k_scale_cache must have shape",
-            k_scale_cache=torch.zeros(NB, BS, H, 1, device=device))  # fmt: skip
-    _raises(op, a, TypeError, "v_scale_cache must have dtype torch.float32",
-            v_scale_cache=a["v_scale_cache"].half())  # fmt: skip
+    _raises(
+        op,
+        a,
+        ValueError,
+        "is not a per-token-head format",
+        key_cache=a["key_cache"].half(),
+        value_cache=a["value_cache"].half(),
+    )
+    _raises(
+        op,
+        a,
+        ValueError,
+        "key_cache has 1 kv heads but key has 2",
+        key_cache=a["key_cache"][:, :, :1],
+    )
+    _raises(
+        op,
+        a,
+        ValueError,
+        "key_cache head is 32 wide; expected head_size 64",
+        key_cache=a["key_cache"][..., :32],
+    )
+    _raises(
+        op,
+        a,
+        ValueError,
+        "value_cache head is 64 wide; expected head_size_v 80",
+        value_cache=torch.zeros(NB, BS, H, D, dtype=torch.int8, device=device),
+    )
+    _raises(
+        op,
+        a,
+        TypeError,
+        "value_cache must have key_cache's dtype",
+        value_cache=a["value_cache"].view(torch.float8_e4m3fn),
+    )
+    _raises(
+        op,
+        a,
+        ValueError,
+        "k_scale_cache must have shape",
+        k_scale_cache=torch.zeros(NB, BS, H, 1, device=device),
+    )
+    _raises(
+        op,
+        a,
+        TypeError,
+        "v_scale_cache must have dtype torch.float32",
+        v_scale_cache=a["v_scale_cache"].half(),
+    )
     _raises(
         op,
         a,
@@ -79,17 +115,26 @@ def test_int8_fp8_arguments(device):
         "value_cache has \\[num_blocks, block_size\\]",
         value_cache=torch.zeros(NB + 1, BS, H, DV, dtype=torch.int8, device=device),
     )
-    _raises(op, a, ValueError, "slot_mapping is on meta",
-            slot_mapping=a["slot_mapping"].to("meta"))  # fmt: skip
+    _raises(op, a, ValueError, "slot_mapping is on meta", slot_mapping=a["slot_mapping"].to("meta"))
 
 
 def test_int4_arguments(device):
     a = _int4(device)
     op = store_kv_int4_per_token_head
-    _raises(op, a, ValueError, "key_cache head is 64 wide; expected ceil\\(64 / 2\\) = 32",
-            key_cache=torch.zeros(NB, BS, H, D, dtype=torch.uint8, device=device))  # fmt: skip
-    _raises(op, a, TypeError, "key_cache must have dtype torch.uint8",
-            key_cache=a["key_cache"].view(torch.int8))  # fmt: skip
+    _raises(
+        op,
+        a,
+        ValueError,
+        "key_cache head is 64 wide; expected ceil\\(64 / 2\\) = 32",
+        key_cache=torch.zeros(NB, BS, H, D, dtype=torch.uint8, device=device),
+    )
+    _raises(
+        op,
+        a,
+        TypeError,
+        "key_cache must have dtype torch.uint8",
+        key_cache=a["key_cache"].view(torch.int8),
+    )
     _raises(
         op,
         a,
@@ -104,7 +149,11 @@ def test_int4_arguments(device):
         "v_scale_cache must have shape",
         v_scale_cache=torch.zeros(NB, BS, H, 2, dtype=torch.float16, device=device),
     )
-    _raises(op, a, TypeError, "k_scale_cache must have dtype torch.float16",
-            k_scale_cache=a["k_scale_cache"].float())  # fmt: skip
-    _raises(op, a, ValueError, "value_cache is on meta",
-            value_cache=a["value_cache"].to("meta"))  # fmt: skip
+    _raises(
+        op,
+        a,
+        TypeError,
+        "k_scale_cache must have dtype torch.float16",
+        k_scale_cache=a["k_scale_cache"].float(),
+    )
+    _raises(op, a, ValueError, "value_cache is on meta", value_cache=a["value_cache"].to("meta"))

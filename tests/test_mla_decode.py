@@ -33,8 +33,7 @@ def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
     return q.to(device), k_cache.to(device), table.to(device), sl.to(device)
 
 
-def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, policy=None,
-           **meta_kw):  # fmt: skip
+def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, policy=None, **meta_kw):
     meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
     if policy is not None:  # the same parts, sequences split (partial results) or kept whole
         meta, splits = schedule(sl, meta.shape[0], policy)
@@ -42,9 +41,17 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
         out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
     else:  # a given variant, through its generated launcher
         rows = q.shape[1] * q.shape[2]
-        out, lse = load(spec).launch(q, k_cache, table, sl, meta, splits,
-                                     scale or q.shape[-1] ** -0.5, causal,
-                                     **spec.default_meta(rows=rows) | meta_kw)  # fmt: skip
+        out, lse = load(spec).launch(
+            q,
+            k_cache,
+            table,
+            sl,
+            meta,
+            splits,
+            scale or q.shape[-1] ** -0.5,
+            causal,
+            **spec.default_meta(rows=rows) | meta_kw,
+        )
     ref_out, ref_lse = mla_decode(q.cpu(), k_cache.cpu(), table.cpu(), sl.cpu(), dv, scale, causal)
     assert out.shape == ref_out.shape and out.dtype == q.dtype
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32
@@ -61,8 +68,11 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
 def _kernels(specs):
     """Each variant with the launch arguments that pick each of its kernels: the wgmma variant
     has two (roles 0 and 1), the others one."""
-    return [(s, {"roles": r}) if s.variant == "wgmma" else (s, {})
-            for s in specs for r in ((0, 1) if s.variant == "wgmma" else (None,))]  # fmt: skip
+    return [
+        (s, {"roles": r}) if s.variant == "wgmma" else (s, {})
+        for s in specs
+        for r in ((0, 1) if s.variant == "wgmma" else (None,))
+    ]
 
 
 def _kid(x):
@@ -100,8 +110,11 @@ def test_hopper_launchers_refuse_caches_their_kernels_cannot_read(spec, device):
     _check(q, bad, t, sl, spec.head_dim_v)
 
 
-Q_READERS = [(s, kw) for s, kw in _kernels(VARIANTS) if s.head_dim == 576 and s.dtype == "bf16"
-             and (s.variant == "tma" or kw.get("roles"))]  # fmt: skip
+Q_READERS = [
+    (s, kw)
+    for s, kw in _kernels(VARIANTS)
+    if s.head_dim == 576 and s.dtype == "bf16" and (s.variant == "tma" or kw.get("roles"))
+]
 
 
 @pytest.mark.parametrize("spec,kernel", Q_READERS, ids=_kid)
@@ -141,7 +154,8 @@ def test_garbage_past_the_sequence_never_reaches_the_output(spec, kernel, policy
 
 # (the wgmma variant has no page_ahead choice: its own choice, roles, instead)
 AHEAD = [(s, kw) for s, kw in _kernels(WIDE) if s.variant == "wgmma"] + [
-    (s, {"page_ahead": a}) for s in WIDE if s.variant != "wgmma" for a in (0, 1)]  # fmt: skip
+    (s, {"page_ahead": a}) for s in WIDE if s.variant != "wgmma" for a in (0, 1)
+]
 
 
 @pytest.mark.parametrize("spec,kernel", AHEAD, ids=_kid)
@@ -174,8 +188,18 @@ def test_bad_arguments(device):
     meta, splits = get_mla_metadata(sl, 2, 1)
 
     def call(**kw):
-        args = dict(q=q, k_cache=k, block_table=t, cache_seqlens=sl, head_dim_v=512,
-                    tile_scheduler_metadata=meta, num_splits=splits) | kw  # fmt: skip
+        args = (
+            dict(
+                q=q,
+                k_cache=k,
+                block_table=t,
+                cache_seqlens=sl,
+                head_dim_v=512,
+                tile_scheduler_metadata=meta,
+                num_splits=splits,
+            )
+            | kw
+        )
         return flash_mla_with_kvcache(**args)
 
     with pytest.raises(ValueError, match="head_dim mismatch"):
@@ -193,8 +217,11 @@ def test_bad_arguments(device):
     with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
         call(block_table=bad, check_block_table=True)
     # Widths the decode does not take: a plain ValueError that says which it takes.
-    with pytest.raises(ValueError, match=r"head_dim 576 / head_dim_v 500 is not supported.*"
-                       r"power of two.*576/512") as info:  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"head_dim 576 / head_dim_v 500 is not supported.*"
+        r"power of two.*576/512",
+    ) as info:
         call(head_dim_v=500)
     assert type(info.value) is ValueError
 
@@ -215,12 +242,20 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     tma = MLADecodeSpec(576, 512, "bf16", "tma", "sm90", "gpu")
     # (no page_ahead: an entry tuned before that parameter existed gets the default, 0)
     meta = {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2, "split_factor": 4}
-    doc = {"schema_version": 1, "family": "mla_decode",
-           "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x", "torch": "x",
-                   "triton": "x"},
-           "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
-           "entries": {tma.name: {"rows=16": {"meta": meta, "time_us": 1.0,
-                                               "default_time_us": 2.0}}}}  # fmt: skip
+    doc = {
+        "schema_version": 1,
+        "family": "mla_decode",
+        "env": {
+            "arch": "sm90",
+            "cuda": "x",
+            "device": "x",
+            "kvgen": "x",
+            "torch": "x",
+            "triton": "x",
+        },
+        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
+        "entries": {tma.name: {"rows=16": {"meta": meta, "time_us": 1.0, "default_time_us": 2.0}}},
+    }
     (tmp_path / "sm90").mkdir()
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
     assert _split_policy("sm90", "gpu", 16) == (2, "split")  # the template default, untuned
@@ -238,16 +273,18 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
     assert pick(k, arch="sm80").variant == "portable"
     # A faster tuned portable entry wins.
     portable = MLADecodeSpec(576, 512, "bf16", "portable", "sm90", "gpu")
-    doc["entries"][portable.name] = {"rows=16": {"meta": meta, "time_us": 0.5,
-                                                 "default_time_us": 0.6}}  # fmt: skip
+    doc["entries"][portable.name] = {
+        "rows=16": {"meta": meta, "time_us": 0.5, "default_time_us": 0.6}
+    }
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
     configs.reset()
     assert pick(k).variant == "portable"
     # The Gluon (wgmma) variant: where tuned fastest and cp.async's 16-byte pieces fit the cache.
     wgmma = MLADecodeSpec(576, 512, "bf16", "wgmma", "sm90", "gpu")
     wg_meta = wgmma.default_meta(rows=16)
-    doc["entries"][wgmma.name] = {"rows=16": {"meta": wg_meta, "time_us": 0.25,
-                                              "default_time_us": 0.3}}  # fmt: skip
+    doc["entries"][wgmma.name] = {
+        "rows=16": {"meta": wg_meta, "time_us": 0.25, "default_time_us": 0.3}
+    }
     (tmp_path / "sm90" / "mla_decode.json").write_text(json.dumps(doc))
     configs.reset()
     assert pick(k).variant == "wgmma"

@@ -21,8 +21,11 @@ def test_every_tuned_configs_folder_is_a_listed_package():
     # An unlisted folder of data files is what makes setuptools warn (BuildBackendWarning)
     # and, with a future setuptools, leave the files out of the wheel.
     tool = _pyproject()["tool"]["setuptools"]
-    folders = [p for p in (CHECKOUT / "tuned_configs").iterdir() if p.is_dir()
-               and not p.name.startswith("_")]  # fmt: skip
+    folders = [
+        p
+        for p in (CHECKOUT / "tuned_configs").iterdir()
+        if p.is_dir() and not p.name.startswith("_")
+    ]
     assert folders
     for folder in folders:
         name = f"kvgen.tuned_configs.{folder.name}"

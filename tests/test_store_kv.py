@@ -19,9 +19,10 @@ from kvgen.verify import GUARD_BYTES, POISON, edge_case_heads, make_kv_caches, m
 
 ARCH, TARGET = local_target()
 VARIANTS = [
-    s for s in registry.variants(ARCH, TARGET)
+    s
+    for s in registry.variants(ARCH, TARGET)
     if s.family in ("store_kv_per_token_head", "store_kv_int4_per_token_head")
-]  # fmt: skip
+]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -37,8 +38,20 @@ def _op(spec):
     return triton_reshape_and_cache_flash_per_token_head_quant
 
 
-def _run_and_compare(spec, device, tokens, heads, block_size, layout="nhd", joint=False, seed=0,
-                     num_blocks=None, slots=None, qkv_offset=None, kv=None):  # fmt: skip
+def _run_and_compare(
+    spec,
+    device,
+    tokens,
+    heads,
+    block_size,
+    layout="nhd",
+    joint=False,
+    seed=0,
+    num_blocks=None,
+    slots=None,
+    qkv_offset=None,
+    kv=None,
+):
     """Store [tokens, heads, d] K and V (``kv``, or edge-case rows) with the kernel and with the
     reference into poisoned, guarded caches; every byte must agree."""
     dt = DTYPES[spec.in_dtype]
@@ -56,8 +69,7 @@ def _run_and_compare(spec, device, tokens, heads, block_size, layout="nhd", join
         qkv[:, qkv_offset + kw : qkv_offset + kw + vw] = value.flatten(1)
         qkv = qkv.to(device)
         key = qkv[:, qkv_offset : qkv_offset + kw].view(tokens, heads, spec.head_size)
-        value = qkv[:, qkv_offset + kw : qkv_offset + kw + vw].view(tokens, heads,
-                                                                    spec.head_size_v)  # fmt: skip
+        value = qkv[:, qkv_offset + kw : qkv_offset + kw + vw].view(tokens, heads, spec.head_size_v)
         assert not key.is_contiguous()
     num_blocks = num_blocks or -(-2 * tokens // block_size) + 1
     caches = make_kv_caches(spec, num_blocks, block_size, heads, device, layout, joint)
@@ -104,14 +116,19 @@ def test_scales_as_views_into_one_allocation(spec, device):
 @pytest.mark.parametrize("block_size,heads", [(1, 1), (5, 2), (16, 8), (256, 1), (16, 64)])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_block_sizes_and_head_counts(fmt, block_size, heads, device):
-    spec = (StoreKVInt4Spec(16, 64, 64, "bf16", ARCH, TARGET) if fmt == "int4"
-            else StoreKVPerTokenHeadSpec("int8", 64, 64, "bf16", ARCH, TARGET))  # fmt: skip
+    spec = (
+        StoreKVInt4Spec(16, 64, 64, "bf16", ARCH, TARGET)
+        if fmt == "int4"
+        else StoreKVPerTokenHeadSpec("int8", 64, 64, "bf16", ARCH, TARGET)
+    )
     _run_and_compare(spec, device, tokens=6, heads=heads, block_size=block_size)
 
 
 def test_different_head_sizes_not_powers_of_two(device):
-    for spec in (StoreKVPerTokenHeadSpec("fp8e4m3", 80, 96, "bf16", ARCH, TARGET),
-                 StoreKVInt4Spec(64, 192, 80, "fp16", ARCH, TARGET)):  # fmt: skip
+    for spec in (
+        StoreKVPerTokenHeadSpec("fp8e4m3", 80, 96, "bf16", ARCH, TARGET),
+        StoreKVInt4Spec(64, 192, 80, "fp16", ARCH, TARGET),
+    ):
         _run_and_compare(spec, device, tokens=5, heads=2, block_size=4)
 
 
@@ -120,8 +137,11 @@ def test_different_head_sizes_not_powers_of_two(device):
 def test_key_value_strided_views_of_qkv(fmt, offset, device):
     """K/V slices of a qkv projection: even strides are read in place as element pairs; an odd
     offset (no pairs on word boundaries) still gives the same bytes."""
-    spec = (StoreKVInt4Spec(32, 128, 64, "bf16", ARCH, TARGET) if fmt == "int4"
-            else StoreKVPerTokenHeadSpec(fmt, 128, 64, "bf16", ARCH, TARGET))  # fmt: skip
+    spec = (
+        StoreKVInt4Spec(32, 128, 64, "bf16", ARCH, TARGET)
+        if fmt == "int4"
+        else StoreKVPerTokenHeadSpec(fmt, 128, 64, "bf16", ARCH, TARGET)
+    )
     _run_and_compare(spec, device, tokens=6, heads=2, block_size=8, qkv_offset=offset)
 
 
@@ -129,8 +149,9 @@ def test_key_value_strided_views_of_qkv(fmt, offset, device):
 def test_int4_odd_head_sizes(d, dv, dt, device):
     """Odd head sizes: the last byte's high nibble is padding and codes 0."""
     for c in (16, 32):
-        _run_and_compare(StoreKVInt4Spec(c, d, dv, dt, ARCH, TARGET), device, tokens=5, heads=3,
-                         block_size=4)  # fmt: skip
+        _run_and_compare(
+            StoreKVInt4Spec(c, d, dv, dt, ARCH, TARGET), device, tokens=5, heads=3, block_size=4
+        )
 
 
 def test_int32_slots_and_aliases(device):
@@ -160,9 +181,9 @@ def test_64bit_offsets(device):
         assert torch.equal(kc[b, r].cpu(), q[i]) and torch.equal(ks[b, r].cpu(), s[i])
 
 
-@pytest.mark.parametrize("spec", LAYOUT_SPECS + [StoreKVInt4Spec(16, 80, 64, "fp32", ARCH,
-                                                                  TARGET)],
-                         ids=lambda s: s.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "spec", LAYOUT_SPECS + [StoreKVInt4Spec(16, 80, 64, "fp32", ARCH, TARGET)], ids=lambda s: s.name
+)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_gather_reads_back_the_reference(spec, out_dtype, device):
     tokens, heads, block_size = 9, 2, 4
@@ -172,8 +193,9 @@ def test_gather_reads_back_the_reference(spec, out_dtype, device):
     caches = make_kv_caches(spec, 6, block_size, heads, device, "hnd")
     slots = make_slots(tokens, 24, device, seed=7)
     _op(spec)(key.to(device), value.to(device), *[c.view for c in caches], slots)
-    k, v = gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size,
-                                    spec.head_size_v, out_dtype)  # fmt: skip
+    k, v = gather_kv_per_token_head(
+        *[c.view for c in caches], slots, spec.head_size, spec.head_size_v, out_dtype
+    )
     want_k = ref.gather(caches[0].view.cpu(), caches[2].view.cpu(), slots.cpu(), spec.head_size)
     want_v = ref.gather(caches[1].view.cpu(), caches[3].view.cpu(), slots.cpu(), spec.head_size_v)
     # int4's fp16 scales overflow for |x| > 65504 (inf scale, NaN for level 0): both agree.
@@ -187,8 +209,11 @@ def test_quantization_error_is_bounded():
     widest level gap times the group's scale."""
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(64, 4, 128, generator=gen)
-    for dtype, rel, sub in ((torch.int8, None, None), (torch.float8_e4m3fn, 2**-4, 2**-10),
-                            (torch.float8_e5m2, 2**-3, 2**-17)):  # fmt: skip
+    for dtype, rel, sub in (
+        (torch.int8, None, None),
+        (torch.float8_e4m3fn, 2**-4, 2**-10),
+        (torch.float8_e5m2, 2**-3, 2**-17),
+    ):
         q, s = ref.quantize_per_token_head(x, dtype)
         err = (ref.dequantize_per_token_head(q, s) - x).abs()
         if rel is None:
@@ -206,24 +231,33 @@ def test_quantization_error_is_bounded():
 QUANT_LAYOUT_SPECS = [s for s in LAYOUT_SPECS if s.family == "store_kv_per_token_head"]
 
 
-@pytest.mark.parametrize("tokens_per_program,heads_per_program,split_kv",
-                         [(4, 2, 0), (8, 1, 1), (2, 4, 0), (1, 1, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens_per_program,heads_per_program,split_kv", [(4, 2, 0), (8, 1, 1), (2, 4, 0), (1, 1, 1)]
+)
 @pytest.mark.parametrize("spec", QUANT_LAYOUT_SPECS, ids=lambda s: s.name)
-def test_several_tokens_per_program(spec, tokens_per_program, heads_per_program, split_kv, device,
-                                    monkeypatch):  # fmt: skip
+def test_several_tokens_per_program(
+    spec, tokens_per_program, heads_per_program, split_kv, device, monkeypatch
+):
     """Meta-parameters the tuner may pick: tiles over tokens and heads, ragged at both ends; K and
     V in one program or in two."""
     import kvgen.runtime
 
-    meta = {"tokens_per_program": tokens_per_program, "heads_per_program": heads_per_program,
-            "num_warps": 4, "num_stages": 1, "split_kv": split_kv}  # fmt: skip
+    meta = {
+        "tokens_per_program": tokens_per_program,
+        "heads_per_program": heads_per_program,
+        "num_warps": 4,
+        "num_stages": 1,
+        "split_kv": split_kv,
+    }
     monkeypatch.setattr(kvgen.runtime, "meta_params", lambda spec, **size: dict(meta))
     _run_and_compare(spec, device, tokens=13, heads=3, block_size=8, layout="hnd")
 
 
-INT4_UNIT_SPECS = [StoreKVInt4Spec(32, 128, 128, "bf16", ARCH, TARGET),
-                   StoreKVInt4Spec(32, 576, 512, "bf16", ARCH, TARGET),
-                   StoreKVInt4Spec(16, 80, 64, "fp32", ARCH, TARGET)]  # fmt: skip
+INT4_UNIT_SPECS = [
+    StoreKVInt4Spec(32, 128, 128, "bf16", ARCH, TARGET),
+    StoreKVInt4Spec(32, 576, 512, "bf16", ARCH, TARGET),
+    StoreKVInt4Spec(16, 80, 64, "fp32", ARCH, TARGET),
+]
 
 
 @pytest.mark.parametrize("units_per_program,num_warps", [(4, 1), (32, 1), (64, 2), (256, 2)])
@@ -267,8 +301,9 @@ def test_int4_inputs_next_to_every_level_boundary(dt, device):
     tokens, heads, groups = 24, 2, 4
     rows = []
     for _ in range(2 * tokens * heads * groups):
-        scale = float(torch.exp2(torch.empty(()).uniform_(-24 if dt == "fp16" else -30, 12,
-                                                          generator=gen)))  # fmt: skip
+        scale = float(
+            torch.exp2(torch.empty(()).uniform_(-24 if dt == "fp16" else -30, 12, generator=gen))
+        )
         s = torch.tensor(scale).to(dtype)  # the group's peak, exactly representable
         near = []
         for m in int4_midpoints():

@@ -21,10 +21,18 @@ OPS = (
 MUTATED = {
     "store_mxfp4_mla": ["cache"],
     "reshape_and_cache_flash_per_token_head_quant": [
-        "key_cache", "value_cache", "k_scale_cache", "v_scale_cache"],
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+    ],
     "reshape_and_cache_flash_int4_per_token_head": [
-        "key_cache", "value_cache", "k_scale_cache", "v_scale_cache"],
-}  # fmt: skip
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+    ],
+}
 # inductor needs a C++ compiler and a GPU toolchain for CPU/Triton code; the interpreter runs
 # the graph eagerly
 BACKEND = "inductor" if torch.cuda.is_available() else "eager"
@@ -44,35 +52,53 @@ def _inputs(device, seed=0):
     mx = make_cache("paged", 32, 272, device, block_size=16, gap_rows=2)
     key, value = randn(tokens, heads, d).to(torch.bfloat16), randn(tokens, heads, d)
     value = value.to(torch.bfloat16)
-    i8 = [torch.full((2, 16, heads, d), 7, dtype=torch.int8, device=device),
-          torch.full((2, 16, heads, d), 7, dtype=torch.int8, device=device),
-          torch.full((2, 16, heads), 3.0, device=device),
-          torch.full((2, 16, heads), 3.0, device=device)]  # fmt: skip
-    i4 = [torch.full((2, 16, heads, d // 2), 0xFF, dtype=torch.uint8, device=device),
-          torch.full((2, 16, heads, d // 2), 0xFF, dtype=torch.uint8, device=device),
-          torch.full((2, 16, heads, d // 32), 5.0, dtype=torch.float16, device=device),
-          torch.full((2, 16, heads, d // 32), 5.0, dtype=torch.float16, device=device)]  # fmt: skip
+    i8 = [
+        torch.full((2, 16, heads, d), 7, dtype=torch.int8, device=device),
+        torch.full((2, 16, heads, d), 7, dtype=torch.int8, device=device),
+        torch.full((2, 16, heads), 3.0, device=device),
+        torch.full((2, 16, heads), 3.0, device=device),
+    ]
+    i4 = [
+        torch.full((2, 16, heads, d // 2), 0xFF, dtype=torch.uint8, device=device),
+        torch.full((2, 16, heads, d // 2), 0xFF, dtype=torch.uint8, device=device),
+        torch.full((2, 16, heads, d // 32), 5.0, dtype=torch.float16, device=device),
+        torch.full((2, 16, heads, d // 32), 5.0, dtype=torch.float16, device=device),
+    ]
     seqlens = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
     k_cache = randn(6, 16, 1, 288).to(torch.bfloat16)
     table = torch.tensor([[3, 0, 5], [1, 1, 1], [2, 4, 4]], dtype=torch.int32, device=device)
     q = randn(3, 1, 4, 288).to(torch.bfloat16)
-    return dict(x=x, slots=slots, mx=mx, key=key, value=value, i8=i8, i4=i4, seqlens=seqlens,
-                k_cache=k_cache, table=table, q=q)  # fmt: skip
+    return dict(
+        x=x,
+        slots=slots,
+        mx=mx,
+        key=key,
+        value=value,
+        i8=i8,
+        i4=i4,
+        seqlens=seqlens,
+        k_cache=k_cache,
+        table=table,
+        q=q,
+    )
 
 
 def _every_op(t):
     """Call each public op once; the results and the caches they wrote."""
     ops.store_mxfp4_mla(t["x"], t["slots"], t["mx"].view)
     latent = ops.gather_mxfp4_mla(t["mx"].view, t["slots"], 512, 32, torch.float32)
-    ops.triton_reshape_and_cache_flash_per_token_head_quant(t["key"], t["value"], *t["i8"],
-                                                             t["slots"])  # fmt: skip
-    ops.triton_reshape_and_cache_flash_int4_per_token_head(t["key"], t["value"], *t["i4"],
-                                                            t["slots"])  # fmt: skip
+    ops.triton_reshape_and_cache_flash_per_token_head_quant(
+        t["key"], t["value"], *t["i8"], t["slots"]
+    )
+    ops.triton_reshape_and_cache_flash_int4_per_token_head(
+        t["key"], t["value"], *t["i4"], t["slots"]
+    )
     k8, v8 = ops.gather_kv_per_token_head(*t["i8"], t["slots"], out_dtype=torch.float32)
     k4, v4 = ops.gather_kv_per_token_head(*t["i4"], t["slots"], out_dtype=torch.float32)
     meta, splits = ops.get_mla_metadata(t["seqlens"], 4, 1)
-    out, lse = ops.flash_mla_with_kvcache(t["q"], t["k_cache"], t["table"], t["seqlens"], 256,
-                                          meta, splits, causal=False)  # fmt: skip
+    out, lse = ops.flash_mla_with_kvcache(
+        t["q"], t["k_cache"], t["table"], t["seqlens"], 256, meta, splits, causal=False
+    )
     return latent, k8, v8, k4, v4, meta, splits, out, lse
 
 
@@ -130,7 +156,8 @@ def test_torch_ops_check_arguments_as_the_functions_do(device):
     before = [c.clone() for c in t["i8"]]
     with pytest.raises(ValueError, match="key_cache has 2 kv heads but key has 1"):
         torch.ops.kvgen.reshape_and_cache_flash_per_token_head_quant(
-            t["key"][:, :1], t["value"][:, :1], *t["i8"], t["slots"])
+            t["key"][:, :1], t["value"][:, :1], *t["i8"], t["slots"]
+        )
     assert all(torch.equal(a, b) for a, b in zip(t["i8"], before, strict=True))
 
 

@@ -52,11 +52,17 @@ def _prepare(storage, sampler, n_trials):
 
 def _run(storage, sampler, n_trials, log, workers=3, **env):
     store = _prepare(storage, sampler, n_trials)
-    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=storage, sampler=sampler,
-                         n_trials=n_trials, evaluator=FAKE)  # fmt: skip
+    plan = parallel.Plan(
+        jobs=[(SPEC, b) for b in BUCKETS],
+        storage=storage,
+        sampler=sampler,
+        n_trials=n_trials,
+        evaluator=FAKE,
+    )
     lines = []
-    exits = parallel.run_workers(plan, [f"fake{i}" for i in range(workers)], log=lines.append,
-                                 env=_env(log, **env))  # fmt: skip
+    exits = parallel.run_workers(
+        plan, [f"fake{i}" for i in range(workers)], log=lines.append, env=_env(log, **env)
+    )
     return store, exits, lines
 
 
@@ -74,7 +80,7 @@ def _single_process(tmp_path, sampler, n_trials):
     return [
         tuner.run_study(
             SPEC, b, SPACE, fake.cost, storage=store, sampler=sampler, n_trials=n_trials
-        )  # fmt: skip
+        )
         for b in BUCKETS
     ]
 
@@ -97,7 +103,11 @@ def _check_shared_grid(tmp_path, storage):
     shared = [tuner.load_result(SPEC, b, store) for b in BUCKETS]
     for one, many in zip(single, shared, strict=True):
         assert (many.meta, many.time_us, many.trials, many.failed) == (
-            one.meta, one.time_us, one.trials, one.failed)  # fmt: skip
+            one.meta,
+            one.time_us,
+            one.trials,
+            one.failed,
+        )
     # and the same JSON entries
     a = tuner.write_results(tmp_path / "a", "sm90", SPEC.family, single, ENV, "grid", 1000)
     b = tuner.write_results(tmp_path / "b", "sm90", SPEC.family, shared, ENV, "grid", 1000)
@@ -140,8 +150,9 @@ def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
         assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
         failed += [t for t in study.trials if "died" in t.user_attrs.get("failure", "")]
     assert len(failed) == 1
-    first = {tuner.study_name(SPEC, b): [t.params for t in _study(store, b).trials]
-             for b in BUCKETS}  # fmt: skip
+    first = {
+        tuner.study_name(SPEC, b): [t.params for t in _study(store, b).trials] for b in BUCKETS
+    }
     # a re-run with a larger budget continues the same studies
     store, exits, lines = _run(journal, "tpe", 16, log, workers=2)
     assert all(e.returncode == 0 for e in exits), lines
@@ -155,8 +166,9 @@ def test_gpu_fault_stops_only_that_worker(tmp_path):
     """A broken CUDA context (every later trial of that process would fail): the worker fails
     its trial and exits; the others finish the studies."""
     log = tmp_path / "evals.log"
-    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 10, log, workers=3,
-                               fault_at=4)  # fmt: skip
+    store, exits, lines = _run(
+        str(tmp_path / "tune.journal"), "tpe", 10, log, workers=3, fault_at=4
+    )
     faulted = [e for e in exits if e.returncode != 0]
     assert [e.returncode for e in faulted] == [parallel.EXIT_FAULT], lines
     assert any("GPU fault, this worker stops" in line for line in lines)
@@ -175,12 +187,20 @@ def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
     journal = str(tmp_path / "tune.journal")
     log = tmp_path / "evals.log"
     _prepare(journal, "tpe", 8)
-    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
-                         n_trials=8, evaluator=FAKE)  # fmt: skip
+    plan = parallel.Plan(
+        jobs=[(SPEC, b) for b in BUCKETS],
+        storage=journal,
+        sampler="tpe",
+        n_trials=8,
+        evaluator=FAKE,
+    )
     plan_file = tmp_path / "plan.pkl"
     plan_file.write_bytes(pickle.dumps(plan))
-    p = subprocess.run([sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
-                       env={**os.environ, **_env(log, die_at=3)}, capture_output=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
+        env={**os.environ, **_env(log, die_at=3)},
+        capture_output=True,
+    )
     assert p.returncode == -9
     store = tuner.storage_from(journal, Path(journal))
     study = _study(store, BUCKETS[0])
@@ -239,12 +259,20 @@ def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, mo
     monkeypatch.setenv("KVGEN_TUNE_HEARTBEAT_S", "1")
     log = tmp_path / "evals.log"
     _prepare(postgres_url, "tpe", 8)
-    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=postgres_url,
-                         sampler="tpe", n_trials=8, evaluator=FAKE)  # fmt: skip
+    plan = parallel.Plan(
+        jobs=[(SPEC, b) for b in BUCKETS],
+        storage=postgres_url,
+        sampler="tpe",
+        n_trials=8,
+        evaluator=FAKE,
+    )
     plan_file = tmp_path / "plan.pkl"
     plan_file.write_bytes(pickle.dumps(plan))
-    p = subprocess.run([sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
-                       env={**os.environ, **_env(log, die_at=3)}, capture_output=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
+        env={**os.environ, **_env(log, die_at=3)},
+        capture_output=True,
+    )
     assert p.returncode == -9, p.stdout
     time.sleep(3)  # the grace period passes
     store, exits, lines = _run(postgres_url, "tpe", 8, log, workers=2)
@@ -283,9 +311,24 @@ def _kvgen(*args):
 
 def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
     """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
-    args = ["tune", SPEC.name, "--arch", "sm90", "--sampler", "grid", "--buckets", "16,65536",
-            "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
-            "--jobs", "1", "--gpus", "2"]  # fmt: skip
+    args = [
+        "tune",
+        SPEC.name,
+        "--arch",
+        "sm90",
+        "--sampler",
+        "grid",
+        "--buckets",
+        "16,65536",
+        "--storage",
+        str(tmp_path / "t.journal"),
+        "--out",
+        str(tmp_path / "out"),
+        "--jobs",
+        "1",
+        "--gpus",
+        "2",
+    ]
     result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     assert "on 2 GPU(s)" in result.output and "[gpu fake1]" in result.output
@@ -304,8 +347,9 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
     mine = [i for i, (pid, _, _) in enumerate(evals) if pid == str(os.getpid())]
     assert mine == list(range(len(evals) - len(mine), len(evals)))
     for n in (16, 65536):
-        timed = Counter(p for pid, s, p in evals if pid == str(os.getpid())
-                        and s == f"{SPEC.name}@{n}")  # fmt: skip
+        timed = Counter(
+            p for pid, s, p in evals if pid == str(os.getpid()) and s == f"{SPEC.name}@{n}"
+        )
         assert set(timed.values()) == {3} and len(timed) in (3, 4)
         assert json.dumps(SPEC.default_meta(num_tokens=n), sort_keys=True) in timed
     result = _kvgen(*args[:-1], "3")
@@ -324,8 +368,13 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
     # (CI saw one): a RUNNING trial that no worker's name finds.
     orphan = _study(store, BUCKETS[0])
     orphan._storage.create_new_trial(orphan._study_id)
-    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
-                         n_trials=12, evaluator=FAKE)  # fmt: skip
+    plan = parallel.Plan(
+        jobs=[(SPEC, b) for b in BUCKETS],
+        storage=journal,
+        sampler="tpe",
+        n_trials=12,
+        evaluator=FAKE,
+    )
     (tmp_path / "plan.pkl").write_bytes(pickle.dumps(plan))
     script = tmp_path / "coordinator.py"
     script.write_text(
@@ -335,9 +384,14 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
         "parallel.run_workers(plan, ['a', 'b'], log=lambda s: print(s, flush=True))\n"
     )
     env = {**os.environ, **_env(log, sleep=0.3)}
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "plan.pkl")], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "plan.pkl")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not log.exists() or len(_evaluations(log)) < 3):
         time.sleep(0.1)
@@ -363,12 +417,17 @@ def test_wall_clock_budget_stops_the_workers(tmp_path):
     journal = str(tmp_path / "tune.journal")
     log = tmp_path / "evals.log"
     store = _prepare(journal, "tpe", 40)
-    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=journal, sampler="tpe",
-                         n_trials=40, evaluator=FAKE, deadline=time.time() + 4.0)  # fmt: skip
+    plan = parallel.Plan(
+        jobs=[(SPEC, b) for b in BUCKETS],
+        storage=journal,
+        sampler="tpe",
+        n_trials=40,
+        evaluator=FAKE,
+        deadline=time.time() + 4.0,
+    )
     t0 = time.monotonic()
     lines = []
-    exits = parallel.run_workers(plan, ["a", "b"], log=lines.append,
-                                 env=_env(log, sleep=0.2))  # fmt: skip
+    exits = parallel.run_workers(plan, ["a", "b"], log=lines.append, env=_env(log, sleep=0.2))
     assert all(e.returncode == 0 for e in exits), lines
     assert time.monotonic() - t0 < 20
     ran = sum(len(tuner.counted(_study(store, b).trials)) for b in BUCKETS)
@@ -382,11 +441,28 @@ def test_wall_clock_budget_stops_the_workers(tmp_path):
 def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
     """--buckets and --heads pick the studies: one per (num_tokens, num_heads) asked for."""
     name = "store_kv_per_token_head-int8-d128-dv128-bf16-sm90-gpu"
-    args = ["tune", name, "--trials", "6", "--buckets", "16,65536", "--heads", "8",
-            "--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
-            "--jobs", "1", "--gpus", "2"]  # fmt: skip
+    args = [
+        "tune",
+        name,
+        "--trials",
+        "6",
+        "--buckets",
+        "16,65536",
+        "--heads",
+        "8",
+        "--storage",
+        str(tmp_path / "t.journal"),
+        "--out",
+        str(tmp_path / "out"),
+        "--jobs",
+        "1",
+        "--gpus",
+        "2",
+    ]
     result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "out" / "sm90" / "store_kv_per_token_head.json").read_text())
-    assert sorted(doc["entries"][name]) == ["num_tokens=16,num_heads=8",
-                                            "num_tokens=65536,num_heads=8"]  # fmt: skip
+    assert sorted(doc["entries"][name]) == [
+        "num_tokens=16,num_heads=8",
+        "num_tokens=65536,num_heads=8",
+    ]

@@ -60,14 +60,14 @@ def test_default_first_trials_recorded_and_best_found(storage):
 
 def test_failed_trials_never_win(storage):
     rec = Recorder(broken={"rows_per_program": 4, "num_warps": 2})  # the true optimum is wrong
-    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid",
-                        n_trials=1000)  # fmt: skip
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid", n_trials=1000)
     assert r.failed >= 1
     assert r.meta != {"rows_per_program": 4, "num_warps": 2, "num_stages": 1}
     allowed = [
-        m for m in SPACE.points()
+        m
+        for m in SPACE.points()
         if not SPACE.violations(SPEC, m) and (m["rows_per_program"], m["num_warps"]) != (4, 2)
-    ]  # fmt: skip
+    ]
     assert r.time_us == min(fake_time(m) for m in allowed)
 
 
@@ -88,8 +88,7 @@ def test_constraints_fail_before_compiling(storage):
 
 def test_grid_covers_the_space_once(storage):
     rec = Recorder()
-    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid",
-                        n_trials=1000)  # fmt: skip
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="grid", n_trials=1000)
     points = SPACE.points()
     assert r.trials == len(points)
     assert sorted(map(str, rec.calls)) == sorted(
@@ -152,12 +151,21 @@ def test_committed_configs_match_the_schema():
 def _config(tmp_path, arch="sm90", meta=None, buckets=(1, 65536), **changes):
     meta = meta or {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
     doc = {
-        "schema_version": 1, "family": SPEC.family, "env": {**ENV, "arch": arch},
+        "schema_version": 1,
+        "family": SPEC.family,
+        "env": {**ENV, "arch": arch},
         "provenance": {"date": "2026-11-29", "sampler": "tpe", "trials": 10},
-        "entries": {SPEC.name: {f"num_tokens={b}": {
-            "meta": {**meta, "rows_per_program": 2 if b == 1 else meta["rows_per_program"]},
-            "time_us": 1.0, "default_time_us": 2.0} for b in buckets}},
-    }  # fmt: skip
+        "entries": {
+            SPEC.name: {
+                f"num_tokens={b}": {
+                    "meta": {**meta, "rows_per_program": 2 if b == 1 else meta["rows_per_program"]},
+                    "time_us": 1.0,
+                    "default_time_us": 2.0,
+                }
+                for b in buckets
+            }
+        },
+    }
     doc.update(changes)
     path = tmp_path / arch / f"{SPEC.family}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,8 +227,9 @@ def test_bad_files_warn_and_fall_back(override, caplog, breakage):
     assert caplog.records, "a bad config must be reported"
 
 
-def test_a_file_from_another_triton_is_ignored_and_torch_or_cuda_only_warn(override, caplog,
-                                                                          monkeypatch):  # fmt: skip
+def test_a_file_from_another_triton_is_ignored_and_torch_or_cuda_only_warn(
+    override, caplog, monkeypatch
+):
     import torch
     import triton
 
@@ -230,15 +239,17 @@ def test_a_file_from_another_triton_is_ignored_and_torch_or_cuda_only_warn(overr
     _config(override, env={**ENV, "arch": "sm90", "torch": "2.9.1"})
     with caplog.at_level(logging.WARNING, logger="kvgen"):
         assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
-    assert any("torch 2.9.1" in r.getMessage() and "using it" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "torch 2.9.1" in r.getMessage() and "using it" in r.getMessage() for r in caplog.records
+    )
     configs.reset()
     caplog.clear()
     _config(override, env={**ENV, "arch": "sm90", "triton": "3.5.0"})
     with caplog.at_level(logging.WARNING, logger="kvgen"):
         assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
-    assert any("ignoring" in r.getMessage() and "Triton 3.5.0" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "ignoring" in r.getMessage() and "Triton 3.5.0" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_files_are_read_once_per_process(override, monkeypatch):
@@ -300,10 +311,15 @@ def test_kvgen_log_environment_variable_prints_debug_lines(tmp_path):
         "c = torch.zeros(1, 16, 272, dtype=torch.uint8)\n"
         "o.store_mxfp4_mla(x, torch.arange(4), c)\n"
     )
-    env = {**os.environ, "KVGEN_LOG": "debug", "TRITON_INTERPRET": "1",
-           "KVGEN_CACHE_DIR": str(tmp_path)}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "KVGEN_LOG": "debug",
+        "TRITON_INTERPRET": "1",
+        "KVGEN_CACHE_DIR": str(tmp_path),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     line = [m for m in out.stderr.splitlines() if "store_mxfp4_mla-g32-l512-bf16-paged" in m]
     assert line and line[0].startswith("DEBUG kvgen:") and "num_tokens=4" in line[0], out.stderr
@@ -375,10 +391,15 @@ def test_tuning_problems_check_candidates(family, device, local_target):
     from kvgen.tune import problems
 
     arch, target = local_target
-    spec = next(s for s in registry.variants(arch, target, family)
-                if s.fields().get("in_dtype", s.fields().get("out_dtype")) == "bf16")  # fmt: skip
-    bucket = {"num_tokens": 16, **({"num_heads": 2} if "num_heads" in
-                                   load_space(spec.template).buckets else {})}  # fmt: skip
+    spec = next(
+        s
+        for s in registry.variants(arch, target, family)
+        if s.fields().get("in_dtype", s.fields().get("out_dtype")) == "bf16"
+    )
+    bucket = {
+        "num_tokens": 16,
+        **({"num_heads": 2} if "num_heads" in load_space(spec.template).buckets else {}),
+    }
     run, check, n_sets = problems.builder(family)(spec, bucket, device)
     default = spec.default_meta(**bucket)
     other = {**default, next(iter(default)): 2}  # 2 rows or tokens per program
@@ -415,8 +436,7 @@ def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
             return 1.0
         return fake_time(meta)
 
-    r = tuner.run_study(SPEC, BUCKET, SPACE, noisy, storage=storage, sampler="grid",
-                        n_trials=1000)  # fmt: skip
+    r = tuner.run_study(SPEC, BUCKET, SPACE, noisy, storage=storage, sampler="grid", n_trials=1000)
     assert r.meta == lucky and r.time_us == 1.0  # the single trial's verdict
     seen.clear()
     c = tuner.confirm(SPEC, BUCKET, storage, noisy, top=3, rounds=3)
@@ -438,8 +458,7 @@ def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
 
 
 def test_confirm_drops_a_candidate_that_fails_now(storage):
-    tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid",
-                    n_trials=1000)  # fmt: skip
+    tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid", n_trials=1000)
     best = min(SPACE.feasible(SPEC), key=fake_time)
 
     def broken_best(meta):
@@ -472,8 +491,9 @@ def test_confirm_retimes_every_config_of_a_small_study(storage, monkeypatch):
         slow = meta == true_best and calls.count(true_best) == 1
         return cost(meta) + (100.0 if slow else 0.0)
 
-    r = tuner.run_study(SPEC, BUCKET, SPACE, unlucky, storage=storage, sampler="grid",
-                        n_trials=1000)  # fmt: skip
+    r = tuner.run_study(
+        SPEC, BUCKET, SPACE, unlucky, storage=storage, sampler="grid", n_trials=1000
+    )
     assert r.meta != true_best
     distinct = len({json.dumps(m, sort_keys=True) for m in calls})
     assert distinct > tuner.CONFIRM_ALL  # so by default only the best 3 (and the default) ...

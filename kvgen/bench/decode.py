@@ -99,10 +99,19 @@ def _row(label, name, lengths, h, t, ok, copy_bw, mm_rate) -> DecodeRow:
     total = sum(lengths)
     kv_bytes = total * HEAD_DIM * 2
     flops = 2 * h * total * (HEAD_DIM + HEAD_DIM_V)
-    return DecodeRow(label, name, h, 1, total, t,
-                     kv_bytes / (t * 1e-6) / 1e9, flops / (t * 1e-6) / 1e12,
-                     kv_bytes / (t * 1e-6) / copy_bw, flops / (t * 1e-6) / mm_rate,
-                     ok)  # fmt: skip
+    return DecodeRow(
+        label,
+        name,
+        h,
+        1,
+        total,
+        t,
+        kv_bytes / (t * 1e-6) / 1e9,
+        flops / (t * 1e-6) / 1e12,
+        kv_bytes / (t * 1e-6) / copy_bw,
+        flops / (t * 1e-6) / mm_rate,
+        ok,
+    )
 
 
 def _graph_us(call, args) -> float:
@@ -149,8 +158,9 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
                     times[label].append(_graph_us(call, args))
             for label, call in callers:
                 ok = _correct(call, q, table, sl, h, ref)
-                row = _row(label, name, lengths, h, statistics.median(times[label]), ok, copy_bw,
-                           mm_rate)  # fmt: skip
+                row = _row(
+                    label, name, lengths, h, statistics.median(times[label]), ok, copy_bw, mm_rate
+                )
                 rows.append(row)
                 if progress:
                     progress(row)

@@ -69,8 +69,12 @@ def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
     ordered = sorted(rows, key=lambda r: (r["variant"], r["num_tokens"]))
     for variant, group in itertools.groupby(ordered, key=lambda r: r["variant"]):
         group = list(group)
-        ax.plot([r["num_tokens"] for r in group], [r["gbps"] for r in group],
-                marker=next(markers), label=_short(variant))  # fmt: skip
+        ax.plot(
+            [r["num_tokens"] for r in group],
+            [r["gbps"] for r in group],
+            marker=next(markers),
+            label=_short(variant),
+        )
     ax.axhline(copy_gbps, color="black", linestyle="--", label=f"copy {copy_gbps:.0f} GB/s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -88,11 +92,19 @@ def _decode_panel(ax, rows: list[dict], matmul_tflops: float | None) -> None:
     for (variant, lengths), group in itertools.groupby(sorted(rows, key=key), key=key):
         group = sorted(group, key=lambda r: r["heads"])
         label = f"{_short(variant) if variant != 'auto' else 'flash_mla_with_kvcache'}, {lengths}"
-        ax.plot([r["heads"] for r in group], [r["tflops"] for r in group],
-                marker=next(markers), label=label)  # fmt: skip
+        ax.plot(
+            [r["heads"] for r in group],
+            [r["tflops"] for r in group],
+            marker=next(markers),
+            label=label,
+        )
     if matmul_tflops:
-        ax.axhline(matmul_tflops, color="black", linestyle="--",
-                   label=f"bf16 matmul {matmul_tflops:.0f} TFLOP/s")  # fmt: skip
+        ax.axhline(
+            matmul_tflops,
+            color="black",
+            linestyle="--",
+            label=f"bf16 matmul {matmul_tflops:.0f} TFLOP/s",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("query heads (seq_len_q 1)")
     ax.set_ylabel("TFLOP/s")
@@ -117,13 +129,21 @@ def show_plot(arch: str, docs: list[dict], path: Path) -> Path:
         default = [r["default_time_us"] for r in rows]
         tuned = [r["time_us"] for r in rows]
         used = [r["used"] for r in rows]
-        ax.scatter([x for x, u in zip(default, used, strict=True) if u],
-                   [y for y, u in zip(tuned, used, strict=True) if u], s=14,
-                   label="used by the op")  # fmt: skip
+        ax.scatter(
+            [x for x, u in zip(default, used, strict=True) if u],
+            [y for y, u in zip(tuned, used, strict=True) if u],
+            s=14,
+            label="used by the op",
+        )
         if not all(used):
-            ax.scatter([x for x, u in zip(default, used, strict=True) if not u],
-                       [y for y, u in zip(tuned, used, strict=True) if not u], s=14,
-                       facecolors="none", edgecolors="gray", label="not chosen")  # fmt: skip
+            ax.scatter(
+                [x for x, u in zip(default, used, strict=True) if not u],
+                [y for y, u in zip(tuned, used, strict=True) if not u],
+                s=14,
+                facecolors="none",
+                edgecolors="gray",
+                label="not chosen",
+            )
         lo, hi = min(default + tuned), max(default + tuned)
         ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8, label="tuned = default")
         ax.set_xscale("log")

@@ -76,8 +76,16 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
             mxfp4.store(x.cpu(), slots[0].cpu(), ref, group)
             return bool(torch.equal(caches[0].cpu(), ref))
 
-        yield Case("store_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check,
-                   data=list(zip(xs, slots, caches, strict=True)))  # fmt: skip
+        yield Case(
+            "store_mxfp4_mla",
+            name,
+            t,
+            in_bytes + out_bytes,
+            n_sets,
+            step,
+            check,
+            data=list(zip(xs, slots, caches, strict=True)),
+        )
 
 
 def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
@@ -99,8 +107,9 @@ def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.
         caches = []
         for _ in range(n_sets):
             c = torch.randint(0, 256, (blocks, BLOCK_SIZE, pitch), dtype=torch.uint8)
-            c[..., latent // 2 :] = torch.randint(100, 150, c[..., latent // 2 :].shape,
-                                                  dtype=torch.uint8)  # sane scales  # fmt: skip
+            c[..., latent // 2 :] = torch.randint(
+                100, 150, c[..., latent // 2 :].shape, dtype=torch.uint8
+            )  # sane scales
             caches.append(c.to(device))
         slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
 
@@ -112,8 +121,16 @@ def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.
             want = mxfp4.gather(caches[0].cpu(), slots[0].cpu(), latent, group).to(dtype)
             return bool(torch.equal(got, want))
 
-        yield Case("gather_mxfp4_mla", name, t, in_bytes + out_bytes, n_sets, step, check,
-                   data=list(zip(caches, slots, strict=True)))  # fmt: skip
+        yield Case(
+            "gather_mxfp4_mla",
+            name,
+            t,
+            in_bytes + out_bytes,
+            n_sets,
+            step,
+            check,
+            data=list(zip(caches, slots, strict=True)),
+        )
 
 
 def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> list[Row]:
@@ -159,8 +176,12 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
         triton_reshape_and_cache_flash_per_token_head_quant as store_quant,
     )
 
-    cache_dtype = {"int8": torch.int8, "fp8e4m3": torch.float8_e4m3fn,
-                   "fp8e5m2": torch.float8_e5m2, "int4": torch.uint8}[fmt]  # fmt: skip
+    cache_dtype = {
+        "int8": torch.int8,
+        "fp8e4m3": torch.float8_e4m3fn,
+        "fp8e5m2": torch.float8_e5m2,
+        "int4": torch.uint8,
+    }[fmt]
     int4 = fmt == "int4"
     width = -(-head_size // 2) if int4 else head_size
     groups = -(-head_size // 32)
@@ -175,8 +196,9 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
             c = torch.zeros(blocks, KV_BLOCK_SIZE, heads, width, dtype=torch.uint8, device=device)
             c = c.view(cache_dtype)
             if int4:
-                s = torch.zeros(blocks, KV_BLOCK_SIZE, heads, groups, dtype=torch.float16,
-                                device=device)  # fmt: skip
+                s = torch.zeros(
+                    blocks, KV_BLOCK_SIZE, heads, groups, dtype=torch.float16, device=device
+                )
             else:
                 s = torch.zeros(blocks, KV_BLOCK_SIZE, heads, device=device)
             return c, s

@@ -59,8 +59,10 @@ class MLADecodeSpec(VariantSpec):
     def check_combination(self) -> None:
         if not available(self.variant, self.arch, self.target):
             where = {"tma": f"{TMA_ARCHS}", "wgmma": f"{WGMMA_ARCHS} on the GPU (Gluon)"}
-            raise SpecError(f"{self.family}: the {self.variant} variant needs "
-                            f"{where[self.variant]}, not {self.arch}/{self.target}")  # fmt: skip
+            raise SpecError(
+                f"{self.family}: the {self.variant} variant needs "
+                f"{where[self.variant]}, not {self.arch}/{self.target}"
+            )
         why = widths_problem(self.head_dim, self.head_dim_v)
         if why:
             raise SpecError(f"{self.family}: {why}")
@@ -81,17 +83,30 @@ class MLADecodeSpec(VariantSpec):
     def default_meta(self, rows: int) -> dict[str, int]:
         if self.variant == "wgmma":  # 64-row tiles, two K tiles in flight, the work split by
             # roles between warpgroups (the fastest point of the H200 sweep at 32-128 heads)
-            return {"block_h": 64, "block_n": 64, "num_warps": 8, "num_stages": 2,
-                    "split_factor": 1, "page_ahead": 0, "roles": 1}  # fmt: skip
+            return {
+                "block_h": 64,
+                "block_n": 64,
+                "num_warps": 8,
+                "num_stages": 2,
+                "split_factor": 1,
+                "page_ahead": 0,
+                "roles": 1,
+            }
         # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
         # wgmma tiles spill; the tuner measures whether they pay off anyway).
         block_n = 32
         # Two K tiles in flight where shared memory holds them.
         tile = block_n * self.head_dim * 2
         stages = 2 if 2 * tile <= ARCH_LIMITS[self.arch]["smem_bytes"] else 1
-        return {"block_h": 16, "block_n": block_n, "num_warps": 4,
-                "num_stages": stages, "split_factor": 2 if rows <= 32 else 1,
-                "page_ahead": 0, "roles": 0}  # fmt: skip
+        return {
+            "block_h": 16,
+            "block_n": block_n,
+            "num_warps": 4,
+            "num_stages": stages,
+            "split_factor": 2 if rows <= 32 else 1,
+            "page_ahead": 0,
+            "roles": 0,
+        }
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:

@@ -17,11 +17,19 @@ PACKED_COMPARE_ARCHS = ("sm90", "sm100")
 # their ulp is 1, so bias + code keeps the code in the low mantissa bits) and the sign's
 # weight 8.0, for the int4 template's packed count.
 PACKED_HALF = {
-    "bf16": {"h2": "bf16x2", "h2_bias": "128.0", "h2_bias_bits": "0x43004300",
-             "h2_eight_bits": "0x41004100"},
-    "fp16": {"h2": "f16x2", "h2_bias": "1024.0", "h2_bias_bits": "0x64006400",
-             "h2_eight_bits": "0x48004800"},
-}  # fmt: skip
+    "bf16": {
+        "h2": "bf16x2",
+        "h2_bias": "128.0",
+        "h2_bias_bits": "0x43004300",
+        "h2_eight_bits": "0x41004100",
+    },
+    "fp16": {
+        "h2": "f16x2",
+        "h2_bias": "1024.0",
+        "h2_bias_bits": "0x64006400",
+        "h2_eight_bits": "0x48004800",
+    },
+}
 
 
 def _packed_half(in_dtype: str) -> dict[str, str]:
@@ -152,9 +160,13 @@ def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
     tokens = default_tokens_per_program(num_tokens, heads, row)
     # Few tokens: K and V in separate programs too (on the H200 1.33-1.49x -> 1.23-1.34x a
     # copy's time at 1 and 16 tokens, int8 and e4m3, 8 x 128 and 1 x 576).
-    return {"tokens_per_program": tokens, "heads_per_program": heads,
-            "num_warps": default_num_warps(tokens, heads, row), "num_stages": 1,
-            "split_kv": int(num_tokens <= 64)}  # fmt: skip
+    return {
+        "tokens_per_program": tokens,
+        "heads_per_program": heads,
+        "num_warps": default_num_warps(tokens, heads, row),
+        "num_stages": 1,
+        "split_kv": int(num_tokens <= 64),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +227,12 @@ class StoreKVInt4Spec(VariantSpec):
             return -(-d // self.channels)
 
         words = self.head_size % 2 == 0 and self.head_size_v % 2 == 0
-        fast = (self.target == "gpu" and self.arch in PACKED_COMPARE_ARCHS and words
-                and self.in_dtype in PACKED_HALF)  # fmt: skip
+        fast = (
+            self.target == "gpu"
+            and self.arch in PACKED_COMPARE_ARCHS
+            and words
+            and self.in_dtype in PACKED_HALF
+        )
 
         return {
             "torch_dtype": TORCH_DTYPE[self.in_dtype],
@@ -237,8 +253,9 @@ class StoreKVInt4Spec(VariantSpec):
         }
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        return default_int4_meta(num_tokens * num_heads * -(-self.head_size // self.channels),
-                                 self.channels)  # fmt: skip
+        return default_int4_meta(
+            num_tokens * num_heads * -(-self.head_size // self.channels), self.channels
+        )
 
 
 def default_int4_meta(units: int, channels: int) -> dict[str, int]:
@@ -247,8 +264,11 @@ def default_int4_meta(units: int, channels: int) -> dict[str, int]:
     over many small programs: 8 x 128 at 1 token took 1.22 us with 8 groups a program, 1.58 with
     32), at most 64 channels a thread (65536 tokens: 64 groups of 32)."""
     most = 32 * max(1, 64 // channels)
-    return {"units_per_program": max(4, min(most, _pow2_floor(units / 256))), "num_warps": 1,
-            "num_stages": 1}  # fmt: skip
+    return {
+        "units_per_program": max(4, min(most, _pow2_floor(units / 256))),
+        "num_warps": 1,
+        "num_stages": 1,
+    }
 
 
 def variants(arch: str, target: str) -> list[VariantSpec]:

@@ -28,8 +28,9 @@ def gather_pages(k_cache: torch.Tensor, block_table: torch.Tensor, seqlen: int, 
     return k_cache[blocks, t % page, 0].cpu()
 
 
-def mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale=None,
-               causal=False):  # fmt: skip
+def mla_decode(
+    q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale=None, causal=False
+):
     batch, s_q, h_q, d = q.shape
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     out = torch.zeros(batch, s_q, h_q, head_dim_v, dtype=torch.float64)

@@ -45,18 +45,30 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns):
     check.dtype("cache_seqlens", sl, (torch.int32,))
     check.ndim("cache_seqlens", sl, 1, "[batch]")
     if bt.shape[0] != batch or sl.shape[0] != batch:
-        raise ValueError(f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
-                         f"must have q's batch {batch}")  # fmt: skip
+        raise ValueError(
+            f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
+            f"must have q's batch {batch}"
+        )
     check.dtype("tile_scheduler_metadata", meta, (torch.int32,))
     if meta.ndim != 2 or meta.shape[1] != METADATA_SIZE or not meta.is_contiguous():
-        raise ValueError(f"tile_scheduler_metadata must be a contiguous [num_sm_parts, "
-                         f"{METADATA_SIZE}] tensor from get_mla_metadata")  # fmt: skip
+        raise ValueError(
+            f"tile_scheduler_metadata must be a contiguous [num_sm_parts, "
+            f"{METADATA_SIZE}] tensor from get_mla_metadata"
+        )
     check.dtype("num_splits", ns, (torch.int32,))
     if tuple(ns.shape) != (batch + 1,):
-        raise ValueError(f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
-                         "was the metadata computed for other seqlens?")  # fmt: skip
-    return check.same_device(q=q, k_cache=k, block_table=bt, cache_seqlens=sl,
-                             tile_scheduler_metadata=meta, num_splits=ns)  # fmt: skip
+        raise ValueError(
+            f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
+            "was the metadata computed for other seqlens?"
+        )
+    return check.same_device(
+        q=q,
+        k_cache=k,
+        block_table=bt,
+        cache_seqlens=sl,
+        tile_scheduler_metadata=meta,
+        num_splits=ns,
+    )
 
 
 def _check_pages(k, bt, sl) -> None:
@@ -69,8 +81,10 @@ def _check_pages(k, bt, sl) -> None:
     bad = used & ((bt < 0) | (bt >= k.shape[0]))
     if bool(bad.any()):
         b, c = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache "
-                         f"(0..{k.shape[0] - 1})")  # fmt: skip
+        raise ValueError(
+            f"block_table[{b}, {c}] = {int(bt[b, c])} is not a page of k_cache "
+            f"(0..{k.shape[0] - 1})"
+        )
 
 
 def _decode_impl(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_block_table):
@@ -80,8 +94,7 @@ def _decode_impl(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, chec
     _, s_q, h_q, d = q.shape
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
-    spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k,
-                   s_q * h_q)  # fmt: skip
+    spec = _choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, s_q * h_q)
     meta_p = runtime.meta_params(spec, rows=s_q * h_q)
     return _module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
 
@@ -135,17 +148,30 @@ def flash_mla_with_kvcache(
 
     The op is ``torch.ops.kvgen.flash_mla_with_kvcache``.
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_table", block_table),
-                    ("cache_seqlens", cache_seqlens),
-                    ("tile_scheduler_metadata", tile_scheduler_metadata),
-                    ("num_splits", num_splits)):  # fmt: skip
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("block_table", block_table),
+        ("cache_seqlens", cache_seqlens),
+        ("tile_scheduler_metadata", tile_scheduler_metadata),
+        ("num_splits", num_splits),
+    ):
         check.tensor(name, t)
     check.int_arg("head_dim_v", head_dim_v)
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
-    return _decode_op(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                      tile_scheduler_metadata, num_splits, softmax_scale, bool(causal),
-                      bool(check_block_table))  # fmt: skip
+    return _decode_op(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        tile_scheduler_metadata,
+        num_splits,
+        softmax_scale,
+        bool(causal),
+        bool(check_block_table),
+    )
 
 
 @cache

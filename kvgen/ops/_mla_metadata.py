@@ -80,8 +80,9 @@ def schedule(
 
     begin_b, begin_blk = locate(lo)
     last_b, last_blk = locate(torch.clamp(hi - 1, min=0))
-    end_blk = torch.minimum(last_blk + 1, blocks[torch.clamp(last_b, max=max(batch - 1, 0))]
-                            if batch else last_blk + 1)  # fmt: skip
+    end_blk = torch.minimum(
+        last_blk + 1, blocks[torch.clamp(last_b, max=max(batch - 1, 0))] if batch else last_blk + 1
+    )
     empty = hi <= lo
     begin_b = torch.where(empty, batch, begin_b)
 
@@ -91,9 +92,11 @@ def schedule(
     pieces = last_part - first_part + 1
     num_splits = torch.zeros(batch + 1, dtype=torch.int64, device=dev)
     num_splits[1:] = torch.cumsum(pieces, 0)
-    begin_split = torch.where(
-        empty, 0, p - first_part[torch.clamp(begin_b, max=max(batch - 1, 0))]
-    ) if batch else torch.zeros_like(p)  # fmt: skip
+    begin_split = (
+        torch.where(empty, 0, p - first_part[torch.clamp(begin_b, max=max(batch - 1, 0))])
+        if batch
+        else torch.zeros_like(p)
+    )
 
     meta = torch.zeros(parts, METADATA_SIZE, dtype=torch.int32, device=dev)
     meta[:, 0] = begin_b.to(torch.int32)
@@ -120,8 +123,7 @@ def schedule(
     if policy == "whole":
         return whole, one_each
     take = load.max() <= per_part[0] + FIXED_COST  # a device bool: no sync
-    return (torch.where(take, whole, meta),
-            torch.where(take, one_each, num_splits.to(torch.int32)))  # fmt: skip
+    return (torch.where(take, whole, meta), torch.where(take, one_each, num_splits.to(torch.int32)))
 
 
 def _parts(device: torch.device, num_heads_per_head_k: int, num_heads_k: int) -> tuple[int, str]:

@@ -102,9 +102,14 @@ def _launch(cls, fmt, key, value, caches, slots) -> None:
 
 def _device(key, value, caches, slots):
     return check.same_device(
-        key=key, value=value, key_cache=caches[0], value_cache=caches[1],
-        k_scale_cache=caches[2], v_scale_cache=caches[3], slot_mapping=slots,
-    )  # fmt: skip
+        key=key,
+        value=value,
+        key_cache=caches[0],
+        value_cache=caches[1],
+        k_scale_cache=caches[2],
+        v_scale_cache=caches[3],
+        slot_mapping=slots,
+    )
 
 
 def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
@@ -121,8 +126,9 @@ def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cach
             "triton_reshape_and_cache_flash_int4_per_token_head)"
         )
     kc = _check_cache("key_cache", kc, num_heads, head_size, f"head_size {head_size}")
-    vc = _check_cache("value_cache", value_cache, num_heads, head_size_v,
-                      f"head_size_v {head_size_v}", like=kc)  # fmt: skip
+    vc = _check_cache(
+        "value_cache", value_cache, num_heads, head_size_v, f"head_size_v {head_size_v}", like=kc
+    )
     if vc.dtype != kc.dtype:
         raise TypeError(f"value_cache must have key_cache's dtype {kc.dtype}; got {vc.dtype}")
     ks = _check_scales("k_scale_cache", k_scale_cache, kc, num_heads, None, torch.float32)
@@ -133,8 +139,9 @@ def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cach
 
 
 def _quant_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    fmt, caches = _check_quant(key, value, key_cache, value_cache, k_scale_cache,
-                               v_scale_cache, slot_mapping)  # fmt: skip
+    fmt, caches = _check_quant(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
+    )
     _launch(StoreKVPerTokenHeadSpec, fmt, key, value, caches, slot_mapping)
 
 
@@ -175,9 +182,15 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     skipped. The op is ``torch.ops.kvgen.reshape_and_cache_flash_per_token_head_quant`` (the
     four caches mutated).
     """
-    _tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-             slot_mapping=slot_mapping)  # fmt: skip
+    _tensors(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        slot_mapping=slot_mapping,
+    )
     _quant_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
 
 
@@ -193,8 +206,9 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
             raise TypeError(f"{name} must have dtype torch.uint8 (packed int4); got {t.dtype}")
     packed, packed_v = -(-head_size // 2), -(-head_size_v // 2)
     kc = _check_cache("key_cache", kc, num_heads, packed, f"ceil({head_size} / 2) = {packed}")
-    vc = _check_cache("value_cache", vc, num_heads, packed_v,
-                      f"ceil({head_size_v} / 2) = {packed_v}", like=kc)  # fmt: skip
+    vc = _check_cache(
+        "value_cache", vc, num_heads, packed_v, f"ceil({head_size_v} / 2) = {packed_v}", like=kc
+    )
     ks = check.tensor("k_scale_cache", k_scale_cache)
     check.ndim("k_scale_cache", ks, 4, "[num_blocks, block_size, num_kv_heads, groups]")
     groups = ks.shape[3]
@@ -206,16 +220,18 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
             f"{options}"
         )
     ks = _check_scales("k_scale_cache", ks, kc, num_heads, groups, torch.float16)
-    vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads,
-                       -(-head_size_v // channels), torch.float16)  # fmt: skip
+    vs = _check_scales(
+        "v_scale_cache", v_scale_cache, kc, num_heads, -(-head_size_v // channels), torch.float16
+    )
     caches = (kc, vc, ks, vs)
     _device(key, value, caches, slots)
     return channels, caches
 
 
 def _int4_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    channels, caches = _check_int4(key, value, key_cache, value_cache, k_scale_cache,
-                                   v_scale_cache, slot_mapping)  # fmt: skip
+    channels, caches = _check_int4(
+        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
+    )
     _launch(StoreKVInt4Spec, channels, key, value, caches, slot_mapping)
 
 
@@ -245,9 +261,15 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     last dimension (32 is vLLM's default). The op is
     ``torch.ops.kvgen.reshape_and_cache_flash_int4_per_token_head`` (the four caches mutated).
     """
-    _tensors(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-             k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-             slot_mapping=slot_mapping)  # fmt: skip
+    _tensors(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        slot_mapping=slot_mapping,
+    )
     _int4_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
 
 
@@ -276,8 +298,9 @@ def _read(cache_t, scales, slots, head_size, out_dtype):
     return torch.where(valid[:, None, None], vals, 0.0).to(out_dtype)
 
 
-def _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                  head_size_v, out_dtype):  # fmt: skip
+def _check_gather(
+    key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size, head_size_v, out_dtype
+):
     """The reader's checks: [(cache, scales, head size)] for K and V, or an error."""
     slots = check.tensor("slots", slots)
     check.dtype("slots", slots, (torch.int32, torch.int64))
@@ -300,18 +323,36 @@ def _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, h
     return out
 
 
-def _gather_impl(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                 head_size_v, out_dtype):  # fmt: skip
-    kv = _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                       head_size_v, out_dtype)  # fmt: skip
+def _gather_impl(
+    key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size, head_size_v, out_dtype
+):
+    kv = _check_gather(
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        slots,
+        head_size,
+        head_size_v,
+        out_dtype,
+    )
     k, v = (_read(c, sc, slots, hs, out_dtype) for c, sc, hs in kv)
     return k, v
 
 
-def _gather_fake(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                 head_size_v, out_dtype):  # fmt: skip
-    kv = _check_gather(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                       head_size_v, out_dtype)  # fmt: skip
+def _gather_fake(
+    key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size, head_size_v, out_dtype
+):
+    kv = _check_gather(
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        slots,
+        head_size,
+        head_size_v,
+        out_dtype,
+    )
     k, v = (slots.new_empty(slots.shape[0], c.shape[2], hs, dtype=out_dtype) for c, _, hs in kv)
     return k, v
 
@@ -342,12 +383,25 @@ def gather_kv_per_token_head(
     ``head_size`` / ``head_size_v`` when they are odd (the default is twice the packed width).
     The op is ``torch.ops.kvgen.gather_kv_per_token_head``.
     """
-    _tensors(key_cache=key_cache, value_cache=value_cache, k_scale_cache=k_scale_cache,
-             v_scale_cache=v_scale_cache, slots=slots)  # fmt: skip
+    _tensors(
+        key_cache=key_cache,
+        value_cache=value_cache,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        slots=slots,
+    )
     for name, hs in (("head_size", head_size), ("head_size_v", head_size_v)):
         if hs is not None:
             check.int_arg(name, hs)
     if not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
-    return _gather_op(key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size,
-                      head_size_v, out_dtype)  # fmt: skip
+    return _gather_op(
+        key_cache,
+        value_cache,
+        k_scale_cache,
+        v_scale_cache,
+        slots,
+        head_size,
+        head_size_v,
+        out_dtype,
+    )

@@ -113,8 +113,10 @@ def run_workers(
             p = subprocess.Popen(
                 [sys.executable, "-P", "-m", "kvgen.tune.worker", str(plan_file)],
                 env={**child_env, "CUDA_VISIBLE_DEVICES": dev},
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             procs[dev] = p
             t = threading.Thread(target=_pump, args=(p, f"[gpu {dev}] ", log), daemon=True)
             t.start()
@@ -130,12 +132,16 @@ def run_workers(
                     if p.returncode != 0:
                         failed = _fail_trials_of(plan, storage, worker_id(p.pid))
                         why = (
-                            "a GPU fault" if p.returncode == EXIT_FAULT
-                            else f"signal {-p.returncode}" if p.returncode < 0
+                            "a GPU fault"
+                            if p.returncode == EXIT_FAULT
+                            else f"signal {-p.returncode}"
+                            if p.returncode < 0
                             else f"exit status {p.returncode}"
-                        )  # fmt: skip
-                        log(f"worker on GPU {dev} died ({why}); {failed} running trial(s) "
-                            "failed; the other workers go on")  # fmt: skip
+                        )
+                        log(
+                            f"worker on GPU {dev} died ({why}); {failed} running trial(s) "
+                            "failed; the other workers go on"
+                        )
                     exits[dev] = WorkerExit(dev, p.returncode, failed)
                 time.sleep(poll_s)
         except KeyboardInterrupt:
@@ -224,8 +230,16 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         deadline = time.monotonic() + (plan.deadline - time.time())
     for spec, bucket in plan.jobs:
         space = load_space(spec.template)
-        study = tuner.open_study(spec, bucket, space, storage=storage, sampler=plan.sampler,
-                                 seed=plan.seed, n_trials=plan.n_trials, prepare=False)  # fmt: skip
+        study = tuner.open_study(
+            spec,
+            bucket,
+            space,
+            storage=storage,
+            sampler=plan.sampler,
+            seed=plan.seed,
+            n_trials=plan.n_trials,
+            prepare=False,
+        )
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
         if tuner.budget_taken(study, limit):
@@ -235,16 +249,27 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         setup = time.monotonic() - t0
         ran = []
         try:
-            tuner.work_on_study(study, spec, bucket, space, evaluate, n_trials=plan.n_trials,
-                                sampler=plan.sampler, deadline=deadline, worker=me,
-                                on_trial=lambda s, ran=ran: ran.append(1))  # fmt: skip
+            tuner.work_on_study(
+                study,
+                spec,
+                bucket,
+                space,
+                evaluate,
+                n_trials=plan.n_trials,
+                sampler=plan.sampler,
+                deadline=deadline,
+                worker=me,
+                on_trial=lambda s, ran=ran: ran.append(1),
+            )
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
         r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket))
         best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
-        log(f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
-            f"({setup:.1f} s building inputs); study best so far {best}")  # fmt: skip
+        log(
+            f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
+            f"({setup:.1f} s building inputs); study best so far {best}"
+        )
         del evaluate
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:
@@ -254,8 +279,14 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
 
 
 # Errors after which a CUDA context is unusable: every later trial of this process would fail.
-_STICKY = ("illegal memory access", "illegal instruction", "unspecified launch failure",
-           "misaligned address", "device-side assert", "uncorrectable ECC")  # fmt: skip
+_STICKY = (
+    "illegal memory access",
+    "illegal instruction",
+    "unspecified launch failure",
+    "misaligned address",
+    "device-side assert",
+    "uncorrectable ECC",
+)
 
 
 def _guarded(evaluate):

@@ -15,8 +15,11 @@ def _mxfp4_store(spec, bucket, device):
     from kvgen.bench.store import BLOCK_SIZE, mxfp4_cases
     from kvgen.formats import mxfp4
 
-    case = next(mxfp4_cases(device, (bucket["num_tokens"],), spec.latent, spec.group,
-                            _dtypes.TORCH[spec.in_dtype]))  # fmt: skip
+    case = next(
+        mxfp4_cases(
+            device, (bucket["num_tokens"],), spec.latent, spec.group, _dtypes.TORCH[spec.in_dtype]
+        )
+    )
     sets = case.data  # the bench's rotated (latents, slots, cache) sets
     launch = load(spec).launch
 
@@ -44,8 +47,10 @@ def _mxfp4_gather(spec, bucket, device):
     dtype = _dtypes.TORCH[spec.out_dtype]
     case = next(mxfp4_gather_cases(device, (t,), spec.latent, spec.group, dtype))
     # the bench's rotated (filled cache, slots) sets, each with an output buffer
-    sets = [(cache, slots, torch.empty(t, spec.latent, dtype=dtype, device=device))
-            for cache, slots in case.data]  # fmt: skip
+    sets = [
+        (cache, slots, torch.empty(t, spec.latent, dtype=dtype, device=device))
+        for cache, slots in case.data
+    ]
     launch = load(spec).launch
 
     def run(i, meta):
@@ -68,8 +73,16 @@ def _kv_store(spec, bucket, device):
     fmt = "int4" if spec.family == "store_kv_int4_per_token_head" else spec.fmt
     if fmt == "int4" and spec.channels != 32:
         raise TrialFailed("the tuning problem builds int4 caches with 32 channels per scale")
-    case = next(kv_cases(device, (bucket["num_tokens"],), fmt, bucket["num_heads"],
-                         spec.head_size, _dtypes.TORCH[spec.in_dtype]))  # fmt: skip
+    case = next(
+        kv_cases(
+            device,
+            (bucket["num_tokens"],),
+            fmt,
+            bucket["num_heads"],
+            spec.head_size,
+            _dtypes.TORCH[spec.in_dtype],
+        )
+    )
     launch = load(spec).launch
     sets = case.data  # the rotated (k, v, caches, scales, slots) sets
 
@@ -86,8 +99,10 @@ def _kv_store(spec, bucket, device):
         want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
         ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
         got = [x.cpu() for x in (kc, vc, ks, vs)]
-        return all(torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-                   for g, w in zip(got, want, strict=True))  # fmt: skip
+        return all(
+            torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+            for g, w in zip(got, want, strict=True)
+        )
 
     return run, check, case.n_sets
 
@@ -129,8 +144,9 @@ def _mla_decode(spec, bucket, device):
     def check(m):
         for i, (_, _, _, seqlens) in enumerate(problems):
             sched(m, i, seqlens)  # built here, before run() is captured in a graph
-        out, _ = launch(q[sub], k, table[sub], sl[sub], *sched(m, "check", sl[sub]), scale, False,
-                        **m)  # fmt: skip
+        out, _ = launch(
+            q[sub], k, table[sub], sl[sub], *sched(m, "check", sl[sub]), scale, False, **m
+        )
         return bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
 
     return run, check, len(problems)
@@ -166,7 +182,8 @@ def gpu_evaluator(spec, bucket, device="cuda"):
         est = harness.eager_time_us(lambda i: run(i, meta), n_sets, iters=max(1, n_sets))
         calls = max(n_sets, min(32, int(500 / max(est, 1e-3)) + 1))
         replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
-        return harness.graph_time_us(lambda i: run(i, meta), n_sets, calls=calls,
-                                     replays=replays, trials=5)  # fmt: skip
+        return harness.graph_time_us(
+            lambda i: run(i, meta), n_sets, calls=calls, replays=replays, trials=5
+        )
 
     return evaluate

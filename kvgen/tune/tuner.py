@@ -92,8 +92,9 @@ def shared_by_hosts(storage) -> bool:
 _TPE_STARTUP = 8
 
 
-def make_sampler(kind: str, space: Space, spec, seed: int = 0,
-                 bucket: dict[str, int] | None = None):  # fmt: skip
+def make_sampler(
+    kind: str, space: Space, spec, seed: int = 0, bucket: dict[str, int] | None = None
+):
     """The sampler of ``spec``'s study at ``bucket``. ``tpe`` proposes only points that break no
     constraint (static, or of the bucket) and that the study has not tried yet (see
     ``FreshPointSampler``)."""
@@ -104,8 +105,9 @@ def make_sampler(kind: str, space: Space, spec, seed: int = 0,
     if kind == "tpe":
         # The constant liar makes parallel workers avoid the points others are running; with
         # one worker there is never a running trial to lie about, so it changes nothing.
-        tpe = optuna.samplers.TPESampler(multivariate=True, seed=seed, constant_liar=True,
-                                         n_startup_trials=_TPE_STARTUP)  # fmt: skip
+        tpe = optuna.samplers.TPESampler(
+            multivariate=True, seed=seed, constant_liar=True, n_startup_trials=_TPE_STARTUP
+        )
         return FreshPointSampler(tpe, space, space.feasible(spec, bucket), seed)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
@@ -123,11 +125,20 @@ class FreshPointSampler(optuna.samplers.BaseSampler):
     TPE. The random choices are seeded by the trial number, so workers sharing a study agree.
     """
 
-    def __init__(self, base, space: Space, feasible: list[dict[str, Any]], seed: int = 0,
-                 tries: int = 32, n_startup_trials: int = _TPE_STARTUP):  # fmt: skip
+    def __init__(
+        self,
+        base,
+        space: Space,
+        feasible: list[dict[str, Any]],
+        seed: int = 0,
+        tries: int = 32,
+        n_startup_trials: int = _TPE_STARTUP,
+    ):
         self._base = base
-        self._space = {k: optuna.distributions.CategoricalDistribution(list(v))
-                       for k, v in space.params.items()}  # fmt: skip
+        self._space = {
+            k: optuna.distributions.CategoricalDistribution(list(v))
+            for k, v in space.params.items()
+        }
         self._feasible = feasible
         self._seed = seed
         self._tries = tries
@@ -194,8 +205,11 @@ def fail_running(study: optuna.Study, reason: str, worker: str | None = None) ->
 
 
 # Trials that count as run (a RUNNING one left by a dead process is failed before they count).
-_FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL,
-             optuna.trial.TrialState.PRUNED)  # fmt: skip
+_FINISHED = (
+    optuna.trial.TrialState.COMPLETE,
+    optuna.trial.TrialState.FAIL,
+    optuna.trial.TrialState.PRUNED,
+)
 # A trial created after the study's budget was taken by other workers (see ``work_on_study``).
 _SURPLUS = "surplus"
 # A trial whose point breaks a constraint: failed at once, never compiled or timed.
@@ -206,8 +220,9 @@ def study_name(spec, bucket: dict[str, int]) -> str:
     return f"{spec.name}@{bucket_key(bucket)}"
 
 
-def budget(space: Space, sampler: str, n_trials: int, spec=None,
-           bucket: dict[str, int] | None = None) -> int:  # fmt: skip
+def budget(
+    space: Space, sampler: str, n_trials: int, spec=None, bucket: dict[str, int] | None = None
+) -> int:
     """Trials a study runs in all: ``n_trials``, or the whole grid if that is smaller; for TPE
     at most the points worth timing at the bucket (``spec`` and ``bucket`` given), as it never
     repeats one."""
@@ -231,8 +246,17 @@ def load_study(spec, bucket: dict[str, int], storage) -> optuna.Study | None:
         return None
 
 
-def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", seed: int = 0,
-               n_trials: int = 40, prepare: bool = True) -> optuna.Study:  # fmt: skip
+def open_study(
+    spec,
+    bucket,
+    space: Space,
+    *,
+    storage,
+    sampler: str = "tpe",
+    seed: int = 0,
+    n_trials: int = 40,
+    prepare: bool = True,
+) -> optuna.Study:
     """Create or load the study of ``spec`` at ``bucket``. ``prepare`` (the process that starts a
     run, before any worker) fails trials left RUNNING by a dead process (journal files only: in
     a database another host's live worker may own them; heartbeats cover that case) and
@@ -240,9 +264,12 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
     # kvgen reports trials itself (failures are counted in the result and kept in storage).
     optuna.logging.set_verbosity(logging.ERROR)
     study = optuna.create_study(
-        study_name=study_name(spec, bucket), storage=storage, direction="minimize",
-        sampler=make_sampler(sampler, space, spec, seed, bucket), load_if_exists=True,
-    )  # fmt: skip
+        study_name=study_name(spec, bucket),
+        storage=storage,
+        direction="minimize",
+        sampler=make_sampler(sampler, space, spec, seed, bucket),
+        load_if_exists=True,
+    )
     if not prepare:
         return study
     if not shared_by_hosts(storage):
@@ -259,9 +286,10 @@ def open_study(spec, bucket, space: Space, *, storage, sampler: str = "tpe", see
             and space.allows(meta)
             and (first or not space.violations(spec, meta, bucket))
             and len(done) + queued < budget(space, sampler, n_trials, spec, bucket)
-            and not any(t.params == meta or t.system_attrs.get("fixed_params") == meta
-                        for t in done)
-        ):  # fmt: skip
+            and not any(
+                t.params == meta or t.system_attrs.get("fixed_params") == meta for t in done
+            )
+        ):
             study.enqueue_trial(meta, skip_if_exists=True)
             queued += 1
     return study
@@ -366,14 +394,24 @@ def run_study(
 ) -> StudyResult:
     """Run (or resume) the study of ``spec`` at ``bucket`` in this process until it has
     ``n_trials`` trials (the whole grid at most, for ``sampler="grid"``)."""
-    study = open_study(spec, bucket, space, storage=storage, sampler=sampler, seed=seed,
-                       n_trials=n_trials)  # fmt: skip
+    study = open_study(
+        spec, bucket, space, storage=storage, sampler=sampler, seed=seed, n_trials=n_trials
+    )
     default = spec.default_meta(**bucket)
     hook = None
     if on_trial is not None:
         hook = lambda s: on_trial(summarize(spec, bucket, s, default))  # noqa: E731
-    work_on_study(study, spec, bucket, space, evaluate, n_trials=n_trials, sampler=sampler,
-                  deadline=deadline, on_trial=hook)  # fmt: skip
+    work_on_study(
+        study,
+        spec,
+        bucket,
+        space,
+        evaluate,
+        n_trials=n_trials,
+        sampler=sampler,
+        deadline=deadline,
+        on_trial=hook,
+    )
     return summarize(spec, bucket, study, default)
 
 
@@ -404,9 +442,15 @@ def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
     best = min(complete, key=lambda t: t.value, default=None)
     default_t = next((t.value for t in complete if t.params == default), None)
     return StudyResult(
-        spec.name, bucket_key(bucket), dict(best.params) if best else None,
-        best.value if best else None, default_t, len(trials), len(fails) - skipped, skipped,
-    )  # fmt: skip
+        spec.name,
+        bucket_key(bucket),
+        dict(best.params) if best else None,
+        best.value if best else None,
+        default_t,
+        len(trials),
+        len(fails) - skipped,
+        skipped,
+    )
 
 
 CONFIRM_ALL = 8  # studies of this many distinct configs or fewer: re-time every one
@@ -470,9 +514,14 @@ def confirm(
 
 
 def write_results(
-    out_dir: Path, arch: str, family: str, results: list[StudyResult], env: dict,
-    sampler: str, n_trials: int,
-) -> Path:  # fmt: skip
+    out_dir: Path,
+    arch: str,
+    family: str,
+    results: list[StudyResult],
+    env: dict,
+    sampler: str,
+    n_trials: int,
+) -> Path:
     """Merge ``results`` into ``out_dir/<arch>/<family>.json`` (atomic, keys sorted)."""
     path = out_dir / arch / f"{family}.json"
     entries: dict[str, dict] = {}
@@ -486,8 +535,12 @@ def write_results(
     for r in results:
         if r.meta is None:
             continue
-        entry = {"meta": r.meta, "time_us": round(r.time_us, 4), "trials": r.trials,
-                 "failed_trials": r.failed}  # fmt: skip
+        entry = {
+            "meta": r.meta,
+            "time_us": round(r.time_us, 4),
+            "trials": r.trials,
+            "failed_trials": r.failed,
+        }
         entry["default_time_us"] = round(r.default_time_us or r.time_us, 4)
         if r.confirm_rounds:
             entry["confirm_rounds"] = r.confirm_rounds
