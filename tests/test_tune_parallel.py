@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
+import triton
 
 optuna = pytest.importorskip("optuna")
 
@@ -30,7 +32,13 @@ SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 SPACE = load_space(SPEC.template)
 BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
-ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "x", "triton": "3.6.0"}
+ENV = {
+    "cuda": "13.0",
+    "device": "fake",
+    "kvgen": "0.1.0",
+    "torch": torch.__version__,
+    "triton": triton.__version__,
+}  # the running versions: the loader takes the files
 
 
 def _env(log, sleep=0.02, die_at=0, fault_at=0):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import triton
 
 optuna = pytest.importorskip("optuna")  # the tuner is the one part that needs optuna
 
@@ -19,7 +21,13 @@ from kvgen.tune import tuner  # noqa: E402
 SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 SPACE = load_space(SPEC.template)
 BUCKET = {"num_tokens": 65536}
-ENV = {"cuda": "13.0", "device": "fake", "kvgen": "0.1.0", "torch": "2.13.0", "triton": "3.6.0"}
+ENV = {
+    "cuda": "13.0",
+    "device": "fake",
+    "kvgen": "0.1.0",
+    "torch": torch.__version__,
+    "triton": triton.__version__,
+}  # the running versions: the loader takes the files
 
 
 def fake_time(meta):

@@ -55,7 +55,11 @@ def bench_plot(doc: dict, path: Path) -> Path:
         else:
             _decode_panel(ax, decode, doc.get("matmul_TFLOPs"))
     commit = (doc.get("env", {}).get("commit") or "")[:12]
-    fig.suptitle(f"kvgen bench on {device}" + (f" ({commit})" if commit else ""))
+    return _save(plt, fig, f"kvgen bench on {device}" + (f" ({commit})" if commit else ""), path)
+
+
+def _save(plt, fig, title: str, path: Path) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,10 +162,5 @@ def show_plot(arch: str, docs: list[dict], path: Path) -> Path:
         _plain_log_ticks(ax)
     for ax in list(axes.flat)[len(docs) :]:
         ax.set_visible(False)
-    fig.suptitle(f"kvgen tuned configs, {arch}: tuned against default time per bucket")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    title = f"kvgen tuned configs, {arch}: tuned against default time per bucket"
+    return _save(plt, fig, title, path)

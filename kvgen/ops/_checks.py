@@ -27,6 +27,13 @@ def tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def tensors(**named: object) -> None:
+    """``tensor`` for each keyword argument (the public functions' first check: the operators'
+    own argument parsing would say less)."""
+    for name, value in named.items():
+        tensor(name, value)
+
+
 def dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         want = ", ".join(str(d) for d in allowed)

@@ -20,11 +20,27 @@ import torch
 _LIB = torch.library.Library("kvgen", "DEF")
 
 
-def define(schema: str, impl: Callable, fake: Callable) -> Callable:
-    """Declare ``kvgen::<name>`` from its schema; returns the op's default overload."""
+def define(schema: str, check: Callable, run: Callable, fake: Callable) -> Callable:
+    """Declare ``kvgen::<name>`` from its schema; returns the op's default overload.
+
+    ``check(*args)`` raises for bad arguments and returns what the implementations need (the
+    device, the cache geometry, ...); ``run(checked, *args)`` computes on real tensors and
+    ``fake(checked, *args)`` returns empty outputs of the right shapes, dtypes and device.
+    """
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
+
+    def impl(*args):
+        return run(check(*args), *args)
+
+    def fake_impl(*args):
+        return fake(check(*args), *args)
+
     for key in ("CPU", "CUDA"):
         _LIB.impl(name, impl, key)
-    torch.library.register_fake(f"kvgen::{name}", fake, lib=_LIB)
+    torch.library.register_fake(f"kvgen::{name}", fake_impl, lib=_LIB)
     return getattr(torch.ops.kvgen, name).default
+
+
+def nothing(checked, *args) -> None:
+    """The fake implementation of an op that returns nothing (it only mutates its caches)."""

@@ -19,7 +19,7 @@ def _module(spec):
     return load(spec)
 
 
-def _check_decode(q, k, bt, sl, head_dim_v, meta, ns):
+def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
     """Every check of the decode that needs no data (the device), or an error."""
     check.dtype("q", q, (torch.bfloat16, torch.float16))
     check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
@@ -87,9 +87,8 @@ def _check_pages(k, bt, sl) -> None:
         )
 
 
-def _decode_impl(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_block_table):
-    device = _check_decode(q, k, bt, sl, head_dim_v, meta, ns)
-    if check_block_table:
+def _run_decode(device, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages):
+    if check_pages:
         _check_pages(k, bt, sl)
     _, s_q, h_q, d = q.shape
     scale = softmax_scale if softmax_scale is not None else d**-0.5
@@ -99,8 +98,7 @@ def _decode_impl(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, chec
     return _module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
 
 
-def _decode_fake(q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_block_table):
-    _check_decode(q, k, bt, sl, head_dim_v, meta, ns)
+def _fake_decode(device, q, k, bt, sl, head_dim_v, *rest):
     batch, s_q, h_q, _ = q.shape
     out = q.new_empty(batch, s_q, h_q, head_dim_v)
     return out, q.new_empty(batch, h_q, s_q, dtype=torch.float32)
@@ -110,8 +108,9 @@ _decode_op = define(
     "flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor block_table, "
     "Tensor cache_seqlens, int head_dim_v, Tensor tile_scheduler_metadata, Tensor num_splits, "
     "float? softmax_scale, bool causal, bool check_block_table) -> (Tensor, Tensor)",
-    _decode_impl,
-    _decode_fake,
+    _check_decode,
+    _run_decode,
+    _fake_decode,
 )
 
 
@@ -148,15 +147,14 @@ def flash_mla_with_kvcache(
 
     The op is ``torch.ops.kvgen.flash_mla_with_kvcache``.
     """
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("block_table", block_table),
-        ("cache_seqlens", cache_seqlens),
-        ("tile_scheduler_metadata", tile_scheduler_metadata),
-        ("num_splits", num_splits),
-    ):
-        check.tensor(name, t)
+    check.tensors(
+        q=q,
+        k_cache=k_cache,
+        block_table=block_table,
+        cache_seqlens=cache_seqlens,
+        tile_scheduler_metadata=tile_scheduler_metadata,
+        num_splits=num_splits,
+    )
     check.int_arg("head_dim_v", head_dim_v)
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)

@@ -140,7 +140,8 @@ def _parts(device: torch.device, num_heads_per_head_k: int, num_heads_k: int) ->
     return num_sm_parts(sms, num_heads_per_head_k, num_heads_k, split), policy
 
 
-def _check_metadata(seqlens, num_heads_per_head_k, num_heads_k) -> None:
+def _check_metadata(seqlens, num_heads_per_head_k, num_heads_k) -> tuple[int, str]:
+    """The checks of ``get_mla_metadata``; (work units, policy) of the schedule."""
     from kvgen.ops import _checks as check
 
     check.dtype("cache_seqlens", seqlens, (torch.int32, torch.int64))
@@ -148,26 +149,25 @@ def _check_metadata(seqlens, num_heads_per_head_k, num_heads_k) -> None:
     for name, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k)):
         if v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
+    return _parts(seqlens.device, num_heads_per_head_k, num_heads_k)
 
 
-def _metadata_impl(seqlens, num_heads_per_head_k, num_heads_k):
-    _check_metadata(seqlens, num_heads_per_head_k, num_heads_k)
-    parts, policy = _parts(seqlens.device, num_heads_per_head_k, num_heads_k)
+def _run_metadata(checked, seqlens, num_heads_per_head_k, num_heads_k):
+    parts, policy = checked
     return schedule(seqlens, parts, policy)
 
 
-def _metadata_fake(seqlens, num_heads_per_head_k, num_heads_k):
-    _check_metadata(seqlens, num_heads_per_head_k, num_heads_k)
-    parts, _ = _parts(seqlens.device, num_heads_per_head_k, num_heads_k)
-    meta = seqlens.new_empty(parts, METADATA_SIZE, dtype=torch.int32)
+def _fake_metadata(checked, seqlens, num_heads_per_head_k, num_heads_k):
+    meta = seqlens.new_empty(checked[0], METADATA_SIZE, dtype=torch.int32)
     return meta, seqlens.new_empty(seqlens.shape[0] + 1, dtype=torch.int32)
 
 
 _metadata_op = define(
     "get_mla_metadata(Tensor cache_seqlens, int num_heads_per_head_k, int num_heads_k) "
     "-> (Tensor, Tensor)",
-    _metadata_impl,
-    _metadata_fake,
+    _check_metadata,
+    _run_metadata,
+    _fake_metadata,
 )
 
 

@@ -15,7 +15,7 @@ from kvgen.families.mxfp4_mla import (
     row_bytes,
 )
 from kvgen.ops import _checks as check
-from kvgen.ops._library import define
+from kvgen.ops._library import define, nothing
 
 GROUP_SIZE = 32
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,8 +109,8 @@ def _check_store(x, slots, cache, group):
     return device, _cache_geometry(cache, row_bytes(latent, group))
 
 
-def _store_impl(x, slots, cache, group):
-    device, (layout, num_slots, block_size, block_stride) = _check_store(x, slots, cache, group)
+def _run_store(checked, x, slots, cache, group):
+    device, (layout, num_slots, block_size, block_stride) = checked
     num_tokens, latent = x.shape
     if num_tokens == 0:
         return
@@ -122,14 +122,11 @@ def _store_impl(x, slots, cache, group):
         launch(x, slots, cache, num_slots, **meta)
 
 
-def _store_fake(x, slots, cache, group):
-    _check_store(x, slots, cache, group)
-
-
 _store_op = define(
     "store_mxfp4_mla(Tensor kv_c_normed, Tensor slot_mapping, Tensor(a!) cache, int group) -> ()",
-    _store_impl,
-    _store_fake,
+    _check_store,
+    _run_store,
+    nothing,
 )
 
 
@@ -155,9 +152,7 @@ def store_mxfp4_mla(
     ``ValueError`` naming it. The op is ``torch.ops.kvgen.store_mxfp4_mla`` (``cache``
     mutated).
     """
-    check.tensor("kv_c_normed", kv_c_normed)
-    check.tensor("slot_mapping", slot_mapping)
-    check.tensor("cache", cache)
+    check.tensors(kv_c_normed=kv_c_normed, slot_mapping=slot_mapping, cache=cache)
     check.int_arg("group", group)
     _store_op(kv_c_normed, slot_mapping, cache, group)
 
@@ -171,10 +166,8 @@ def _check_gather(cache, slots, latent, group, out_dtype):
     return device, _cache_geometry(cache, row_bytes(latent, group))
 
 
-def _gather_impl(cache, slots, latent, group, out_dtype):
-    device, (layout, num_slots, block_size, block_stride) = _check_gather(
-        cache, slots, latent, group, out_dtype
-    )
+def _run_gather(checked, cache, slots, latent, group, out_dtype):
+    device, (layout, num_slots, block_size, block_stride) = checked
     out = torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
     if slots.shape[0] == 0:
         return out
@@ -187,16 +180,16 @@ def _gather_impl(cache, slots, latent, group, out_dtype):
     return out
 
 
-def _gather_fake(cache, slots, latent, group, out_dtype):
-    device, _ = _check_gather(cache, slots, latent, group, out_dtype)
-    return torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
+def _fake_gather(checked, cache, slots, latent, group, out_dtype):
+    return torch.empty(slots.shape[0], latent, dtype=out_dtype, device=checked[0])
 
 
 _gather_op = define(
     "gather_mxfp4_mla(Tensor cache, Tensor slots, int latent, int group, ScalarType out_dtype)"
     " -> Tensor",
-    _gather_impl,
-    _gather_fake,
+    _check_gather,
+    _run_gather,
+    _fake_gather,
 )
 
 
@@ -213,8 +206,7 @@ def gather_mxfp4_mla(
     negative or past the end of the cache is all zeros. ``cache`` takes the layouts
     :func:`store_mxfp4_mla` takes. The op is ``torch.ops.kvgen.gather_mxfp4_mla``.
     """
-    check.tensor("cache", cache)
-    check.tensor("slots", slots)
+    check.tensors(cache=cache, slots=slots)
     check.int_arg("latent", latent)
     check.int_arg("group", group)
     if not isinstance(out_dtype, torch.dtype):

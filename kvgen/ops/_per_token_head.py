@@ -16,7 +16,7 @@ from kvgen.families.per_token_head import (
 )
 from kvgen.formats.per_token_head import INT4_LEVELS
 from kvgen.ops import _checks as check
-from kvgen.ops._library import define
+from kvgen.ops._library import define, nothing
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _QUANT_FORMATS = {
@@ -138,29 +138,41 @@ def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cach
     return fmt, caches
 
 
-def _quant_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    fmt, caches = _check_quant(
-        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
-    )
-    _launch(StoreKVPerTokenHeadSpec, fmt, key, value, caches, slot_mapping)
-
-
-def _quant_fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
-
-
 _STORE_SCHEMA = (
     "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor(c!) k_scale_cache, Tensor(d!) v_scale_cache, Tensor slot_mapping) -> ()"
 )
-_quant_op = define(
-    "reshape_and_cache_flash_per_token_head_quant" + _STORE_SCHEMA, _quant_impl, _quant_fake
+
+
+def _define_store(name: str, check_args, cls):
+    """The operator ``kvgen::<name>``: ``check_args`` returns (the spec's first field, the
+    checked caches) or raises; the real implementation then launches ``cls``'s kernel."""
+
+    def run(checked, key, value, *rest):
+        first, caches = checked
+        _launch(cls, first, key, value, caches, rest[-1])
+
+    return define(name + _STORE_SCHEMA, check_args, run, nothing)
+
+
+def _store(op, *args) -> None:
+    """Call a store operator on (key, value, the four caches, slot_mapping)."""
+    names = (
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "k_scale_cache",
+        "v_scale_cache",
+        "slot_mapping",
+    )
+    check.tensors(**dict(zip(names, args, strict=True)))
+    op(*args)
+
+
+_quant_op = _define_store(
+    "reshape_and_cache_flash_per_token_head_quant", _check_quant, StoreKVPerTokenHeadSpec
 )
-
-
-def _tensors(**named) -> None:
-    for name, value in named.items():
-        check.tensor(name, value)
 
 
 def triton_reshape_and_cache_flash_per_token_head_quant(
@@ -182,16 +194,9 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     skipped. The op is ``torch.ops.kvgen.reshape_and_cache_flash_per_token_head_quant`` (the
     four caches mutated).
     """
-    _tensors(
-        key=key,
-        value=value,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache,
-        slot_mapping=slot_mapping,
+    _store(
+        _quant_op, key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
     )
-    _quant_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
 
 
 def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
@@ -228,19 +233,8 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
     return channels, caches
 
 
-def _int4_impl(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    channels, caches = _check_int4(
-        key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
-    )
-    _launch(StoreKVInt4Spec, channels, key, value, caches, slot_mapping)
-
-
-def _int4_fake(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
-
-
-_int4_op = define(
-    "reshape_and_cache_flash_int4_per_token_head" + _STORE_SCHEMA, _int4_impl, _int4_fake
+_int4_op = _define_store(
+    "reshape_and_cache_flash_int4_per_token_head", _check_int4, StoreKVInt4Spec
 )
 
 
@@ -261,16 +255,7 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     last dimension (32 is vLLM's default). The op is
     ``torch.ops.kvgen.reshape_and_cache_flash_int4_per_token_head`` (the four caches mutated).
     """
-    _tensors(
-        key=key,
-        value=value,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache,
-        slot_mapping=slot_mapping,
-    )
-    _int4_op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+    _store(_int4_op, key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
 
 
 @cache
@@ -323,36 +308,14 @@ def _check_gather(
     return out
 
 
-def _gather_impl(
-    key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size, head_size_v, out_dtype
-):
-    kv = _check_gather(
-        key_cache,
-        value_cache,
-        k_scale_cache,
-        v_scale_cache,
-        slots,
-        head_size,
-        head_size_v,
-        out_dtype,
-    )
+def _run_gather(kv, key_cache, value_cache, k_scale_cache, v_scale_cache, slots, *rest):
+    out_dtype = rest[-1]
     k, v = (_read(c, sc, slots, hs, out_dtype) for c, sc, hs in kv)
     return k, v
 
 
-def _gather_fake(
-    key_cache, value_cache, k_scale_cache, v_scale_cache, slots, head_size, head_size_v, out_dtype
-):
-    kv = _check_gather(
-        key_cache,
-        value_cache,
-        k_scale_cache,
-        v_scale_cache,
-        slots,
-        head_size,
-        head_size_v,
-        out_dtype,
-    )
+def _fake_gather(kv, key_cache, value_cache, k_scale_cache, v_scale_cache, slots, *rest):
+    out_dtype = rest[-1]
     k, v = (slots.new_empty(slots.shape[0], c.shape[2], hs, dtype=out_dtype) for c, _, hs in kv)
     return k, v
 
@@ -361,8 +324,9 @@ _gather_op = define(
     "gather_kv_per_token_head(Tensor key_cache, Tensor value_cache, Tensor k_scale_cache, "
     "Tensor v_scale_cache, Tensor slots, int? head_size, int? head_size_v, "
     "ScalarType out_dtype) -> (Tensor, Tensor)",
-    _gather_impl,
-    _gather_fake,
+    _check_gather,
+    _run_gather,
+    _fake_gather,
 )
 
 
@@ -383,7 +347,7 @@ def gather_kv_per_token_head(
     ``head_size`` / ``head_size_v`` when they are odd (the default is twice the packed width).
     The op is ``torch.ops.kvgen.gather_kv_per_token_head``.
     """
-    _tensors(
+    check.tensors(
         key_cache=key_cache,
         value_cache=value_cache,
         k_scale_cache=k_scale_cache,
