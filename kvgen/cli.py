@@ -574,34 +574,31 @@ def tune_cmd(
     from kvgen.bench import harness
     from kvgen.codegen.render import cache_root
     from kvgen.runtime import local_target
-    from kvgen.space import load_space
     from kvgen.tune import problems, tuner
 
     here, _ = local_target()
     if here != arch and not force:
         raise _fail(f"this GPU is {here}, not {arch}; pass --force to tune anyway")
-    specs = [s for s in _specs(names, arch, "gpu") if problems.tunable(s.family)]
-    if not names:  # by default: the variants the benchmarks use
-        specs = [s for s in specs if _default_tuned(s)] + _bench_only_specs(arch)
-    if families:
-        wanted = {f.strip() for f in families.split(",")}
-        specs = [s for s in specs if s.family in wanted]
-    want = {int(b) for b in buckets.split(",")} if buckets else None
-    want_heads = {int(h) for h in heads.split(",")} if heads else None
+    from kvgen.tune.plan import plan
+
+    def ints(text):
+        return {int(v) for v in text.split(",")} if text else None
+
+    try:
+        studies = plan(
+            names,
+            arch,
+            families={f.strip() for f in families.split(",")} if families else None,
+            num_tokens=ints(buckets),
+            num_heads=ints(heads),
+        )
+    except KeyError as exc:
+        raise _fail(exc.args[0]) from None
+    jobs = [(st.spec, st.space, st.bucket) for st in studies]
     default_store = cache_root() / "tune" / f"{arch}.journal"
     store = tuner.storage_from(storage, default_store)
     deadline = None if timeout is None else time.monotonic() + timeout
     env = harness.environment()
-    jobs = []
-    for spec in specs:
-        space = load_space(spec.template)
-        for bucket in space.bucket_list():
-            if want is None or bucket.get("num_tokens", next(iter(want))) in want:
-                if "num_heads" in bucket and not _heads_fit(spec, bucket["num_heads"]):
-                    continue
-                if want_heads and "num_heads" in bucket and bucket["num_heads"] not in want_heads:
-                    continue
-                jobs.append((spec, space, bucket))
     from kvgen.tune import parallel
 
     devices = parallel.visible_devices()
@@ -721,45 +718,6 @@ def _report(r, label: str) -> None:
         f"{f', {r.skipped} skipped by constraints' if r.skipped else ''}"
         f"{f'; medians of {r.confirm_rounds} re-timings' if r.confirm_rounds else ''})"
     )
-
-
-def _default_tuned(spec) -> bool:
-    f = spec.fields()
-    if spec.family == "mla_decode":
-        return f["head_dim"] == 576 and f["dtype"] == "bf16"
-    if spec.family in ("store_mxfp4_mla", "gather_mxfp4_mla"):
-        return f["latent"] == 512 and f["layout"] == "paged" and f["group"] == 32
-    if spec.family == "store_kv_int4_per_token_head" and f["channels"] != 32:
-        return False
-    from kvgen.bench.store import KV_SHAPES
-
-    # the shapes `kvgen bench` measures (V as wide as K)
-    return f["in_dtype"] == "bf16" and any(
-        f["head_size"] == f["head_size_v"] == d for _, d in KV_SHAPES
-    )
-
-
-def _bench_only_specs(arch: str) -> list:
-    """Variants `kvgen bench` measures that the registry's list does not name (1 head x 576
-    with V as wide as K)."""
-    from kvgen import registry
-    from kvgen.bench.store import KV_SHAPES
-    from kvgen.families.per_token_head import FORMATS, StoreKVInt4Spec, StoreKVPerTokenHeadSpec
-
-    listed = {s.name for s in registry.variants(arch, "gpu")}
-    specs = [
-        spec
-        for _, d in KV_SHAPES
-        for spec in [
-            *(StoreKVPerTokenHeadSpec(f, d, d, "bf16", arch, "gpu") for f in FORMATS),
-            StoreKVInt4Spec(32, d, d, "bf16", arch, "gpu"),
-        ]
-    ]
-    return [s for s in specs if s.name not in listed]
-
-
-def _heads_fit(spec, heads: int) -> bool:
-    return (spec.head_size >= 512) == (heads == 1)
 
 
 @app.command("show")

@@ -1,29 +1,99 @@
-"""Every variant kvgen can list, generate, verify and tune, by name."""
+"""Every kernel family and variant kvgen can list, generate, verify and tune, by name.
+
+Families come from kvgen's own packages (``BUILTIN``), from the ``kvgen.families`` entry point
+group (each entry a ``Family`` instance or class, so a family defined in another package works
+the same way) and from ``register`` at run time.
+"""
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.metadata
+import logging
+from functools import cache
 
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec
-from kvgen.families import mla_decode, mxfp4_mla, per_token_head
+from kvgen.families._base import Family
 
-_FAMILY_MODULES = (mxfp4_mla, per_token_head, mla_decode)
+log = logging.getLogger("kvgen")
+
+# kvgen's own families: modules whose FAMILIES tuple lists them
+BUILTIN = (
+    "kvgen.families.mxfp4_mla.family",
+    "kvgen.families.per_token_head.family",
+    "kvgen.families.mla_decode.family",
+)
+ENTRY_POINTS = "kvgen.families"
+_registered: dict[str, Family] = {}
+
+
+@cache
+def _discovered() -> tuple[Family, ...]:
+    found: list[Family] = []
+    for module in BUILTIN:
+        found.extend(importlib.import_module(module).FAMILIES)
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        try:
+            obj = entry.load()
+            found.append(obj() if isinstance(obj, type) else obj)
+        except Exception as exc:  # a broken plug-in must not take kvgen down with it
+            log.warning("kvgen: cannot load family %r from %s: %s", entry.name, entry.value, exc)
+    return tuple(found)
+
+
+def all_families() -> dict[str, Family]:
+    """name -> family, every family this process knows."""
+    out: dict[str, Family] = {}
+    for fam in (*_discovered(), *_registered.values()):
+        if not isinstance(fam, Family):
+            raise TypeError(f"{fam!r} is not a kvgen.families.Family")
+        out.setdefault(fam.name, fam)
+    return out
+
+
+def register(family: Family) -> Family:
+    """Add a family defined outside kvgen (instead of an entry point); returns it."""
+    if not isinstance(family, Family):
+        raise TypeError(f"{family!r} is not a kvgen.families.Family")
+    if family.name in all_families() and all_families()[family.name] is not family:
+        raise ValueError(f"a family named {family.name!r} is already registered")
+    _registered[family.name] = family
+    return family
+
+
+def unregister(name: str) -> None:
+    _registered.pop(name, None)
+
+
+def _family(name: str) -> Family:
+    fams = all_families()
+    if name not in fams:
+        raise KeyError(f"unknown family {name!r}; known: {', '.join(sorted(fams))}")
+    return fams[name]
+
+
+family = _family  # the family named ``name``; KeyError for an unknown one
 
 
 def variants(arch: str, target: str, family: str | None = None) -> list[VariantSpec]:
-    specs = [s for m in _FAMILY_MODULES for s in m.variants(arch, target)]
-    if family is not None:
-        specs = [s for s in specs if s.family == family]
-    return specs
+    fams = all_families().values() if family is None else [_family(family)]
+    return [s for f in fams for s in f.variants(arch, target)]
 
 
 def families() -> list[str]:
-    return sorted({s.family for s in variants("sm90", "gpu")})
+    return sorted(all_families())
 
 
-def spec_class(family: str) -> type[VariantSpec] | None:
-    """The spec class of ``family`` (None for a family this kvgen does not know)."""
-    return next((type(s) for s in variants("sm90", "gpu") if s.family == family), None)
+def spec_class(name: str) -> type[VariantSpec] | None:
+    """The spec class of family ``name`` (None for a family this kvgen does not know)."""
+    fam = all_families().get(name)
+    return fam.spec_class if fam is not None else None
+
+
+def default_tuned(arch: str) -> list[VariantSpec]:
+    """What ``kvgen tune`` tunes when no names are given: each family's choice."""
+    return [s for f in all_families().values() for s in f.default_tuned(arch)]
 
 
 def _unlisted(name: str, listed: list[VariantSpec]) -> VariantSpec | str | None:

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from kvgen._resources import templates_dir
-
 # Per-arch limits the constraints may use.
 ARCH_LIMITS = {
     "sm80": {"max_threads": 1024, "smem_bytes": 166912, "registers_per_thread": 255},
@@ -161,7 +159,10 @@ def parse_bucket_key(key: str) -> dict[str, int]:
 
 @cache
 def load_space(template: str) -> Space:
-    path = templates_dir() / template.replace(".py.j2", ".space.toml")
+    from kvgen.codegen.render import template_path
+
+    path = template_path(template)
+    path = path.with_name(path.name.replace(".py.j2", ".space.toml"))
     try:
         doc = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

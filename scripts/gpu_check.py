@@ -8,6 +8,7 @@ import torch
 
 from kvgen import registry, runtime
 from kvgen.codegen import load
+from kvgen.families.per_token_head.verify import make_kv_caches
 from kvgen.formats import mxfp4
 from kvgen.formats import per_token_head as pth
 from kvgen.formats.mla_decode import mla_decode
@@ -19,7 +20,7 @@ from kvgen.ops import (
     triton_reshape_and_cache_flash_int4_per_token_head,
     triton_reshape_and_cache_flash_per_token_head_quant,
 )
-from kvgen.verify import make_cache, make_kv_caches, make_slots
+from kvgen.verify import make_cache, make_slots
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: the interpreter
 failures = []

@@ -231,7 +231,8 @@ def test_hopper_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, 
 
     from kvgen import configs
     from kvgen.families.mla_decode import MLADecodeSpec
-    from kvgen.ops._mla_decode import _choose, _split_policy
+    from kvgen.ops._mla_choice import _split_policy
+    from kvgen.ops._mla_choice import choose as _choose
 
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
     monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")

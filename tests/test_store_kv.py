@@ -6,6 +6,7 @@ import torch
 from kvgen import registry
 from kvgen.codegen import load
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec
+from kvgen.families.per_token_head.verify import edge_case_heads, make_kv_caches
 from kvgen.formats import per_token_head as ref
 from kvgen.ops import (
     gather_kv_per_token_head,
@@ -15,7 +16,7 @@ from kvgen.ops import (
     triton_reshape_and_cache_flash_per_token_head_quant,
 )
 from kvgen.runtime import local_target
-from kvgen.verify import GUARD_BYTES, POISON, edge_case_heads, make_kv_caches, make_slots
+from kvgen.verify import GUARD_BYTES, POISON, make_slots
 
 ARCH, TARGET = local_target()
 VARIANTS = [
@@ -33,9 +34,7 @@ def _same(a, b):
 
 
 def _op(spec):
-    if spec.family == "store_kv_int4_per_token_head":
-        return triton_reshape_and_cache_flash_int4_per_token_head
-    return triton_reshape_and_cache_flash_per_token_head_quant
+    return registry.family(spec.family).op
 
 
 def _run_and_compare(

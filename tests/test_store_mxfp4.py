@@ -7,10 +7,11 @@ import torch
 
 from kvgen import registry
 from kvgen.codegen import load
+from kvgen.families.mxfp4_mla.verify import edge_case_latents
 from kvgen.formats import mxfp4
 from kvgen.ops import gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
 from kvgen.runtime import local_target
-from kvgen.verify import GUARD_BYTES, POISON, edge_case_latents, make_cache, make_slots
+from kvgen.verify import GUARD_BYTES, POISON, make_cache, make_slots
 
 ARCH, TARGET = local_target()
 STORES = registry.variants(ARCH, TARGET, "store_mxfp4_mla")

@@ -408,7 +408,7 @@ def test_tuning_problems_check_candidates(family, device, local_target):
         "num_tokens": 16,
         **({"num_heads": 2} if "num_heads" in load_space(spec.template).buckets else {}),
     }
-    run, check, n_sets = problems.builder(family)(spec, bucket, device)
+    run, check, n_sets = problems.problem(spec, bucket, device)
     default = spec.default_meta(**bucket)
     other = {**default, next(iter(default)): 2}  # 2 rows or tokens per program
     assert n_sets >= 1 and check(default) and check(other)

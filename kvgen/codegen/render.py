@@ -29,10 +29,20 @@ _lock = threading.Lock()
 _loaded: dict[tuple[str, str], ModuleType] = {}
 
 
+def template_path(template: str) -> Path:
+    """A spec's ``template``: a name in kvgen's ``templates/``, or an absolute path (a family
+    defined outside kvgen keeps its template, and the search space beside it, in its own
+    folder)."""
+    path = Path(template)
+    return path if path.is_absolute() else templates_dir() / template
+
+
 @cache
-def _env() -> jinja2.Environment:
+def _env(folder: str) -> jinja2.Environment:
+    # a family's own folder first, then kvgen's (its shared includes: _header.j2, ...)
+    roots = dict.fromkeys([folder, str(templates_dir())])
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        loader=jinja2.FileSystemLoader(list(roots)),
         undefined=jinja2.StrictUndefined,  # a missing variable is an error, never ""
         trim_blocks=True,
         lstrip_blocks=True,
@@ -44,20 +54,23 @@ def _env() -> jinja2.Environment:
 @cache
 def template_hash(template: str) -> str:
     """Hash of a template and the shared includes (``_*.j2``) it may pull in."""
-    root = templates_dir()
+    path = template_path(template)
+    includes = {p.name: p for p in sorted(templates_dir().glob("_*.j2"))}
+    includes.update({p.name: p for p in sorted(path.parent.glob("_*.j2"))})
     h = hashlib.sha256()
-    for path in [root / template, *sorted(root.glob("_*.j2"))]:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    for p in [path, *includes.values()]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
     return h.hexdigest()[:12]
 
 
 def render(spec: VariantSpec) -> str:
     """The generated module's source text for ``spec``."""
-    template = _env().get_template(spec.template)
+    path = template_path(spec.template)
+    template = _env(str(path.parent)).get_template(path.name)
     ctx = spec.context()
     ctx["kvgen_version"] = kvgen.__version__
-    ctx["template_name"] = spec.template
+    ctx["template_name"] = template_path(spec.template).name
     ctx["template_hash"] = template_hash(spec.template)
     ctx["spec_fields"] = spec.fields()
     return template.render(**ctx)

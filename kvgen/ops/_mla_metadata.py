@@ -28,6 +28,7 @@ import torch
 
 from kvgen.families.mla_decode import SCHED_BLOCK as BLOCK_N  # KV tokens per unit
 from kvgen.ops._library import define
+from kvgen.ops._mla_choice import split_policy
 
 METADATA_SIZE = 8
 FIXED_COST = 5  # per sequence: Q load, output write and combine, in KV-block units
@@ -128,8 +129,6 @@ def schedule(
 
 def _parts(device: torch.device, num_heads_per_head_k: int, num_heads_k: int) -> tuple[int, str]:
     """(work units, schedule policy) of a schedule on ``device``: host facts only, no data."""
-    from kvgen.ops._mla_decode import split_policy
-
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     elif device.type == "meta" and torch.cuda.is_available():  # shapes for this machine's GPU

@@ -28,7 +28,7 @@ def _worker(spec, bucket, metas: list[dict]) -> dict[str, str]:
 
     from kvgen.tune import problems
 
-    run, check, _ = problems.builder(spec.family)(spec, bucket, torch.device("cuda"))
+    run, check, _ = problems.problem(spec, bucket, torch.device("cuda"))
     del run
     out = {}
     for meta in metas:

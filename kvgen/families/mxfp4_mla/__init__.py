@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, ClassVar
 
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
@@ -91,13 +90,3 @@ class GatherMXFP4MLASpec(_MXFP4Spec):
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         rows = max(1, min(16, _next_pow2(max(1, 4096 // self.latent))))
         return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}
-
-
-def variants(arch: str, target: str) -> list[VariantSpec]:
-    out: list[VariantSpec] = []
-    for cls in (StoreMXFP4MLASpec, GatherMXFP4MLASpec):
-        for group, latent, dt, layout in itertools.product(GROUPS, LATENTS, FLOAT_DTYPES, LAYOUTS):
-            if latent % group:
-                continue
-            out.append(cls(group, latent, dt, layout, arch, target))
-    return out

@@ -269,14 +269,3 @@ def default_int4_meta(units: int, channels: int) -> dict[str, int]:
         "num_warps": 1,
         "num_stages": 1,
     }
-
-
-def variants(arch: str, target: str) -> list[VariantSpec]:
-    out: list[VariantSpec] = []
-    for d, dv in HEAD_SIZES:
-        for dt in FLOAT_DTYPES:
-            for fmt in FORMATS:
-                out.append(StoreKVPerTokenHeadSpec(fmt, d, dv, dt, arch, target))
-            for c in INT4_CHANNELS:
-                out.append(StoreKVInt4Spec(c, d, dv, dt, arch, target))
-    return out

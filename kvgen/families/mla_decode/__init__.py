@@ -109,16 +109,6 @@ class MLADecodeSpec(VariantSpec):
         }
 
 
-def variants(arch: str, target: str) -> list[VariantSpec]:
-    return [
-        MLADecodeSpec(d, dv, dt, v, arch, target)
-        for d, dv in WIDTHS
-        for dt in ("bf16", "fp16")
-        for v in VARIANTS
-        if available(v, arch, target)
-    ]
-
-
 def available(variant: str, arch: str, target: str) -> bool:
     """Whether ``variant`` exists for this arch and target (portable: everywhere)."""
     if variant == "tma":

@@ -1,0 +1,39 @@
+"""The ``Family`` objects of kvgen/families/mla_decode/ (what the registry lists)."""
+
+from __future__ import annotations
+
+from kvgen.codegen.spec import VariantSpec
+from kvgen.families._base import Family
+from kvgen.families.mla_decode import VARIANTS, WIDTHS, MLADecodeSpec, available
+
+
+class MLADecode(Family):
+    """FlashMLA's ``flash_mla_with_kvcache`` over a paged bf16 / fp16 latent cache."""
+
+    spec_class = MLADecodeSpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            MLADecodeSpec(d, dv, dt, v, arch, target)
+            for d, dv in WIDTHS
+            for dt in ("bf16", "fp16")
+            for v in VARIANTS
+            if available(v, arch, target)
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        # DeepSeek's 576 / 512 in bf16, every variant this arch has (the op picks by tuned time)
+        return [s for s in self.variants(arch, "gpu") if (s.head_dim, s.dtype) == (576, "bf16")]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_decode.verify import verify_mla_decode
+
+        return verify_mla_decode(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mla_decode.tuning import problem
+
+        return problem(spec, bucket, device)
+
+
+FAMILIES = (MLADecode(),)

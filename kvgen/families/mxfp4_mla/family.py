@@ -1,0 +1,70 @@
+"""The ``Family`` objects of kvgen/families/mxfp4_mla/ (what the registry lists)."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvgen.codegen.spec import VariantSpec
+from kvgen.families._base import Family
+from kvgen.families.mxfp4_mla import (
+    FLOAT_DTYPES,
+    GROUPS,
+    LATENTS,
+    LAYOUTS,
+    GatherMXFP4MLASpec,
+    StoreMXFP4MLASpec,
+)
+
+
+class _MXFP4Family(Family):
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            self.spec_class(group, latent, dt, layout, arch, target)
+            for group, latent, dt, layout in itertools.product(
+                GROUPS, LATENTS, FLOAT_DTYPES, LAYOUTS
+            )
+            if latent % group == 0
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        # DeepSeek's latent in the OCP group size, in the paged layer view (the bench's shape)
+        return [
+            s
+            for s in self.variants(arch, "gpu")
+            if (s.latent, s.group, s.layout) == (512, 32, "paged")
+        ]
+
+
+class StoreMXFP4MLA(_MXFP4Family):
+    """``store_mxfp4_mla``: quantize the MLA latent to MXFP4 rows and scatter them by slot."""
+
+    spec_class = StoreMXFP4MLASpec
+
+    def verify(self, spec, device):
+        from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4
+
+        return verify_store_mxfp4(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mxfp4_mla.tuning import store_problem
+
+        return store_problem(spec, bucket, device)
+
+
+class GatherMXFP4MLA(_MXFP4Family):
+    """``gather_mxfp4_mla``: read the MXFP4 rows of given slots back, dequantized."""
+
+    spec_class = GatherMXFP4MLASpec
+
+    def verify(self, spec, device):
+        from kvgen.families.mxfp4_mla.verify import verify_gather_mxfp4
+
+        return verify_gather_mxfp4(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mxfp4_mla.tuning import gather_problem
+
+        return gather_problem(spec, bucket, device)
+
+
+FAMILIES = (StoreMXFP4MLA(), GatherMXFP4MLA())

@@ -1,0 +1,92 @@
+"""Which MLA decode variant a call runs, and the split policy its schedule uses: both follow
+the tuned times (``kvgen.configs``), so the op and ``get_mla_metadata`` agree."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kvgen import runtime
+from kvgen.codegen import load
+from kvgen.families.mla_decode import MLADecodeSpec, available
+
+
+@cache
+def module(spec):
+    """The generated module of ``spec`` (rendered and imported once)."""
+    return load(spec)
+
+
+@cache
+def _spec(cls, *fields):
+    return cls(*fields)  # validated once per specialisation, not on every call
+
+
+def choose(cls, d, dv, dtype, arch, target, k, rows):
+    """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
+    Hopper variant (tma, wgmma) only where it has been tuned on this arch (tuning checks every
+    candidate against the reference on the GPU) and its launcher accepts the cache (page size,
+    strides, alignment: its ``check_cache``); the portable one otherwise."""
+    portable = _spec(cls, d, dv, dtype, "portable", arch, target)
+    others = [
+        spec
+        for v in ("tma", "wgmma")
+        if available(v, arch, target)
+        for spec in [_spec(cls, d, dv, dtype, v, arch, target)]
+        if _accepts(spec, k, rows)
+    ]
+    return _tuned_winner(portable, others, rows)
+
+
+def _accepts(spec, k, rows) -> bool:
+    block_n = runtime.meta_params(spec, rows=rows)["block_n"]
+    try:
+        module(spec).check_cache(k, block_n)
+    except ValueError:
+        return False
+    return True
+
+
+def _tuned_winner(portable, others, rows):
+    """The fastest of ``others`` that tuning measured at ``rows`` if no slower than the portable
+    variant (untuned counts as slower); else the portable one."""
+    from kvgen import configs
+
+    best, t_best = portable, configs.tuned_time(portable, rows=rows)
+    for spec in others:
+        t = configs.tuned_time(spec, rows=rows)
+        if t is not None and (t_best is None or t <= t_best):
+            best, t_best = spec, t
+    return best
+
+
+def split_policy(device: torch.device, rows: int) -> tuple[int, str]:
+    """The split policy ``get_mla_metadata`` uses: the tuned ``split_factor`` of the 576/512
+    bf16 decode (DeepSeek's shape) for this arch and ``rows`` = seq_len_q * num_heads_q, from
+    the variant tuning measured fastest there (the template default if none is tuned), and the
+    schedule's policy for that variant (``schedule_policy``). The metadata does not know the
+    cache's width or dtype, so this one policy serves them all: it affects only the speed,
+    never the result (every variant is right under every schedule)."""
+    try:
+        arch, target = runtime.target_of(device)
+    except ValueError:  # a CPU schedule without the interpreter: the schedule is plain torch
+        arch, target = runtime.INTERPRETER_ARCH, "interp"
+    return _split_policy(arch, target, rows)
+
+
+def schedule_policy(variant: str) -> str:
+    """``schedule``'s policy for a variant: "auto" (whole sequences where that costs little) for
+    the wgmma variant, whose split kernel writes a whole sequence's output itself; "split" for
+    the others, which always write partial results (the combine kernel merges or copies them),
+    so that whole sequences would only cost balance."""
+    return "auto" if variant == "wgmma" else "split"
+
+
+def _split_policy(arch, target, rows):
+    def spec(variant):
+        return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
+
+    others = [spec(v) for v in ("tma", "wgmma") if available(v, arch, target)]
+    best = _tuned_winner(spec("portable"), others, rows)
+    return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)
