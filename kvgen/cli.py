@@ -538,7 +538,7 @@ def tune_cmd(
         int,
         typer.Option(
             help="GPUs to tune on, one worker process each, sharing the studies "
-            "(default: all visible; 1: in this process)."
+            "(default: all visible)."
         ),
     ] = 0,
     confirm: Annotated[
@@ -552,15 +552,14 @@ def tune_cmd(
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
-    Every trial is checked against the reference and timed with CUDA graphs; an interrupted
-    run resumes from its storage. With several GPUs (or several hosts sharing a
+    Every trial is checked against the reference and timed with CUDA graphs, in a worker
+    process per GPU (a candidate that breaks its GPU context ends that worker only); an
+    interrupted run resumes from its storage. With several GPUs (or several hosts sharing a
     --storage postgresql://... database, each running this command), the trials of every study
     are spread over all workers. Before writing, the best few configs of each study and the
     default are timed again in alternated rounds (--confirm), so that one lucky timing does not
     pick the config.
     """
-    import time
-
     import torch
 
     arch = _arch(arch, "--arch")
@@ -570,16 +569,15 @@ def tune_cmd(
         raise _fail("kvgen tune needs optuna: pip install 'kvgen[tune]'") from None
     if not torch.cuda.is_available():
         raise _fail("kvgen tune needs a CUDA GPU")
-    from kvgen._resources import tuned_configs_dir
     from kvgen.bench import harness
-    from kvgen.codegen.render import cache_root
     from kvgen.runtime import local_target
-    from kvgen.tune import problems, tuner
+    from kvgen.tune import parallel
+    from kvgen.tune import run as tune_run
+    from kvgen.tune.plan import plan
 
     here, _ = local_target()
     if here != arch and not force:
         raise _fail(f"this GPU is {here}, not {arch}; pass --force to tune anyway")
-    from kvgen.tune.plan import plan
 
     def ints(text):
         return {int(v) for v in text.split(",")} if text else None
@@ -594,130 +592,17 @@ def tune_cmd(
         )
     except KeyError as exc:
         raise _fail(exc.args[0]) from None
-    jobs = [(st.spec, st.space, st.bucket) for st in studies]
-    default_store = cache_root() / "tune" / f"{arch}.journal"
-    store = tuner.storage_from(storage, default_store)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    env = harness.environment()
-    from kvgen.tune import parallel
-
     devices = parallel.visible_devices()
     if gpus > len(devices):
         raise _fail(f"--gpus {gpus}, but {len(devices)} GPU(s) are visible")
-    devices = devices[: gpus or len(devices)]
-    err.print(
-        f"tuning {len(jobs)} studies, {trials} trials each, sampler {sampler}, "
-        f"on {len(devices)} GPU(s)"
-    )
-    workers = jobs_opt if jobs_opt > 0 else max(1, (os.cpu_count() or 2) - 1)
-
-    def precompile_variant(spec, space):
-        from kvgen.tune.precompile import precompile
-
-        # Triton specialises integer arguments (== 1, multiples of 16): compile with a middle
-        # bucket, which shares its binaries with most of the others.
-        mine = [b for s, _, b in jobs if s.name == spec.name]
-        if any(
-            tuner.finished_trials(spec, b, store) < tuner.budget(space, sampler, trials, spec, b)
-            for b in mine
-        ):
-            # (a resumed run may have finished every study of this variant)
-            precompile(
-                spec, mine[len(mine) // 2], space.feasible(spec), workers, progress=err.print
-            )
-
-    results: dict[str, list] = {}
+    opts = tune_run.Options(arch, storage, sampler, trials, timeout, jobs_opt, confirm, out)
     try:
-        if len(devices) > 1:
-            if workers > 1:  # the Triton cache on disk is shared by the workers of this host
-                seen = set()
-                for spec, space, _ in jobs:
-                    if spec.name not in seen:
-                        seen.add(spec.name)
-                        precompile_variant(spec, space)
-            for spec, space, bucket in jobs:  # before any worker starts: see tuner.open_study
-                tuner.open_study(
-                    spec, bucket, space, storage=store, sampler=sampler, n_trials=trials
-                )
-            plan = parallel.Plan(
-                jobs=[(spec, bucket) for spec, _, bucket in jobs],
-                storage=storage if storage and "://" in storage else str(storage or default_store),
-                sampler=sampler,
-                n_trials=trials,
-                deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
-            )
-            t0 = time.monotonic()
-            exits = parallel.run_workers(plan, devices, log=err.print)
-            dead = [e for e in exits if e.returncode != 0]
-            err.print(
-                f"workers done in {time.monotonic() - t0:.1f} s"
-                + (f"; {len(dead)} died (re-run to resume)" if dead else "")
-            )
-            factory = parallel.evaluator_factory(plan)
-            for i, (spec, _, bucket) in enumerate(jobs, 1):
-                r = tuner.load_result(spec, bucket, store)
-                if r is not None and r.meta is not None and _confirming(confirm, deadline):
-                    r = tuner.confirm(spec, bucket, store, factory(spec, bucket), top=confirm)
-                _report(r, f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}")
-                results.setdefault(spec.family, []).append(r)
-        else:
-            compiled = set()
-            for i, (spec, space, bucket) in enumerate(jobs, 1):
-                if workers > 1 and spec.name not in compiled:
-                    compiled.add(spec.name)
-                    precompile_variant(spec, space)
-                label = f"[{i}/{len(jobs)}] {spec.name} @ {tuner.bucket_key(bucket)}"
-
-                def show(r, label=label):
-                    if err.is_terminal:  # a live line; logs get the summary below only
-                        best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
-                        err.print(f"  {label}: trial {r.trials}, best {best}", end="\r")
-
-                evaluate = problems.gpu_evaluator(spec, bucket)
-                r = tuner.run_study(
-                    spec,
-                    bucket,
-                    space,
-                    evaluate,
-                    storage=store,
-                    sampler=sampler,
-                    n_trials=trials,
-                    deadline=deadline,
-                    on_trial=show,
-                )
-                if r.meta is not None and _confirming(confirm, deadline):
-                    r = tuner.confirm(spec, bucket, store, evaluate, top=confirm)
-                _report(r, label)
-                results.setdefault(spec.family, []).append(r)
-                torch.cuda.empty_cache()
-                if deadline is not None and time.monotonic() > deadline:
-                    err.print("wall-clock budget spent; writing what was found")
-                    break
+        tune_run.run(
+            studies, devices[: gpus or len(devices)], opts, harness.environment(), log=err.print
+        )
     except KeyboardInterrupt:
         err.print("\ninterrupted: nothing written; the same command resumes the studies")
         raise typer.Exit(130) from None
-    for family, rs in results.items():
-        path = tuner.write_results(
-            out or tuned_configs_dir(), arch, family, rs, env, sampler, trials
-        )
-        err.print(f"wrote {path}")
-
-
-def _confirming(top: int, deadline: float | None) -> bool:
-    import time
-
-    return top > 0 and (deadline is None or time.monotonic() < deadline)
-
-
-def _report(r, label: str) -> None:
-    speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
-    err.print(
-        f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
-        f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
-        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed"
-        f"{f', {r.skipped} skipped by constraints' if r.skipped else ''}"
-        f"{f'; medians of {r.confirm_rounds} re-timings' if r.confirm_rounds else ''})"
-    )
 
 
 @app.command("show")

@@ -364,6 +364,41 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
     assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output
 
 
+def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_gpus):
+    """One GPU is one worker of the same path: no trial runs in the command's own process (a
+    candidate that broke the GPU context would take the command with it); only the
+    confirmation's re-timings do, after the worker has exited."""
+    args = [
+        "tune",
+        SPEC.name,
+        "--arch",
+        "sm90",
+        "--sampler",
+        "grid",
+        "--buckets",
+        "16",
+        "--storage",
+        str(tmp_path / "t.journal"),
+        "--out",
+        str(tmp_path / "out"),
+        "--jobs",
+        "1",
+        "--gpus",
+        "1",
+    ]
+    os.environ["KVGEN_FAKE_WORKERS"] = "1"  # (the fixture's monkeypatch restores it)
+    result = _kvgen(*args)
+    assert result.exit_code == 0, result.output
+    assert "on 1 GPU(s)" in result.output and "[gpu fake0]" in result.output
+    evals = _evaluations(tmp_path / "evals.log")
+    workers = {pid for pid, _, _ in evals if pid != str(os.getpid())}
+    assert len(workers) == 1  # every trial in one worker process
+    mine = [i for i, (pid, _, _) in enumerate(evals) if pid == str(os.getpid())]
+    assert mine and mine == list(range(len(evals) - len(mine), len(evals)))  # re-timings last
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    assert doc["entries"][SPEC.name]["num_tokens=16"]["trials"] == len(SPACE.points())
+
+
 def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
     """Ctrl-C in a terminal reaches the coordinator and its workers: no worker is left
     running, no trial is left RUNNING, and the same command resumes."""

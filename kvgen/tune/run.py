@@ -1,0 +1,132 @@
+"""A tuning run: the studies of a plan (``kvgen.tune.plan``) on N GPU workers, one worker
+process per GPU and one GPU being one worker of the same path; then each study's best configs
+re-timed (the confirmation step) and the JSON written once, from the stored studies.
+
+Trials run in the workers, never in this process: a candidate that breaks its GPU context
+ends its worker only (the trial is failed; a re-run resumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvgen.tune import parallel, tuner
+from kvgen.tune.plan import Study
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    arch: str
+    storage: str | None = None  # a database URL or a journal file; None: the default journal
+    sampler: str = "tpe"
+    trials: int = 40
+    timeout: float | None = None  # wall-clock seconds for the whole run
+    jobs: int = 0  # compile processes (0: CPU count - 1; 1: no precompilation)
+    confirm: int = 3  # re-time each study's best N configs (0: keep the best single trial)
+    out: Path | None = None  # tuned_configs folder (None: the package's)
+
+
+def default_storage(arch: str) -> Path:
+    from kvgen.codegen.render import cache_root
+
+    return cache_root() / "tune" / f"{arch}.journal"
+
+
+def describe(r: tuner.StudyResult, label: str) -> str:
+    """One line about a study's result."""
+    speedup = (r.default_time_us / r.time_us) if r.meta and r.default_time_us else None
+    return (
+        f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
+        f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
+        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed"
+        f"{f', {r.skipped} skipped by constraints' if r.skipped else ''}"
+        f"{f'; medians of {r.confirm_rounds} re-timings' if r.confirm_rounds else ''})"
+    )
+
+
+def run(
+    studies: list[Study],
+    devices: list[str],
+    opts: Options,
+    env: dict,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """Tune ``studies`` on ``devices`` (CUDA_VISIBLE_DEVICES entries); returns the JSON files
+    written. KeyboardInterrupt propagates once the workers have stopped (nothing is written;
+    the studies resume)."""
+    from kvgen._resources import tuned_configs_dir
+
+    storage_path = opts.storage or str(default_storage(opts.arch))
+    store = tuner.storage_from(opts.storage, Path(storage_path))
+    start = time.monotonic()
+    deadline = None if opts.timeout is None else start + opts.timeout
+    log(
+        f"tuning {len(studies)} studies, {opts.trials} trials each, sampler {opts.sampler}, "
+        f"on {len(devices)} GPU(s)"
+    )
+    compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
+    if compile_jobs > 1:  # the Triton cache on disk is shared by the workers of this host
+        _precompile(studies, store, opts, compile_jobs, log)
+    for st in studies:  # before any worker starts: see tuner.open_study
+        tuner.open_study(
+            st.spec, st.bucket, st.space, storage=store, sampler=opts.sampler, n_trials=opts.trials
+        )
+    plan = parallel.Plan(
+        jobs=[(st.spec, st.bucket) for st in studies],
+        storage=storage_path,
+        sampler=opts.sampler,
+        n_trials=opts.trials,
+        deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
+    )
+    t0 = time.monotonic()
+    exits = parallel.run_workers(plan, devices, log=log)
+    dead = [e for e in exits if e.returncode != 0]
+    log(
+        f"workers done in {time.monotonic() - t0:.1f} s"
+        + (f"; {len(dead)} died (re-run to resume)" if dead else "")
+    )
+    factory = parallel.evaluator_factory(plan)
+    results: dict[str, list] = {}
+    for i, st in enumerate(studies, 1):
+        r = tuner.load_result(st.spec, st.bucket, store)
+        if r is None:
+            continue
+        if r.meta is not None and opts.confirm > 0:
+            if deadline is None or time.monotonic() < deadline:
+                evaluate = factory(st.spec, st.bucket)
+                r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm)
+        log(describe(r, f"[{i}/{len(studies)}] {st.spec.name} @ {tuner.bucket_key(st.bucket)}"))
+        results.setdefault(st.spec.family, []).append(r)
+    written = []
+    for family, rs in results.items():
+        path = tuner.write_results(
+            opts.out or tuned_configs_dir(), opts.arch, family, rs, env, opts.sampler, opts.trials
+        )
+        log(f"wrote {path}")
+        written.append(path)
+    return written
+
+
+def _precompile(studies, store, opts, compile_jobs, log) -> None:
+    """Compile each variant's feasible candidates in ``compile_jobs`` processes, once, before
+    the workers start (a resumed run skips variants whose studies are all finished)."""
+    from kvgen.tune.precompile import precompile
+
+    by_variant: dict[str, list[Study]] = {}
+    for st in studies:
+        by_variant.setdefault(st.spec.name, []).append(st)
+    for mine in by_variant.values():
+        spec, space = mine[0].spec, mine[0].space
+        if any(
+            tuner.finished_trials(spec, st.bucket, store)
+            < tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket)
+            for st in mine
+        ):
+            # Triton specialises integer arguments (== 1, multiples of 16): compile with a
+            # middle bucket, which shares its binaries with most of the others.
+            bucket = mine[len(mine) // 2].bucket
+            precompile(spec, bucket, space.feasible(spec), compile_jobs, progress=log)
