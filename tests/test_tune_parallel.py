@@ -156,7 +156,7 @@ def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
         study = _study(store, b)
         assert len(tuner.counted(study.trials)) == 10
         assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
-        failed += [t for t in study.trials if "died" in t.user_attrs.get("failure", "")]
+        failed += [t for t in study.trials if "died" in tuner.failure(study, t)]
     assert len(failed) == 1
     first = {
         tuner.study_name(SPEC, b): [t.params for t in _study(store, b).trials] for b in BUCKETS
@@ -186,7 +186,7 @@ def test_gpu_fault_stops_only_that_worker(tmp_path):
         study = _study(store, b)
         assert len(tuner.counted(study.trials)) == 10
         assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
-        failed += [t for t in study.trials if "worker fault" in t.user_attrs.get("failure", "")]
+        failed += [t for t in study.trials if "worker fault" in tuner.failure(study, t)]
     assert len(failed) == 1
 
 
@@ -227,7 +227,7 @@ def _check_dead_worker(study, log, n_trials):
     mine = [t for t in study.trials if t.user_attrs.get("worker", "").endswith(f":{dead_pid}")]
     assert mine[-1].state == optuna.trial.TrialState.FAIL
     for t in mine[:-1]:  # its earlier trials ran to the end (or broke a constraint)
-        assert t.state == optuna.trial.TrialState.COMPLETE or t.user_attrs["failure"].startswith(
+        assert t.state == optuna.trial.TrialState.COMPLETE or tuner.failure(study, t).startswith(
             "constraints"
         )
     others = {t.user_attrs.get("worker") for t in study.trials} - {mine[0].user_attrs["worker"]}

@@ -196,12 +196,21 @@ def fail_running(study: optuna.Study, reason: str, worker: str | None = None) ->
         if worker is not None and t.user_attrs.get("worker") != worker:
             continue
         try:
-            study._storage.set_trial_user_attr(t._trial_id, "failure", reason)
-            if study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL):
-                n += 1
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # it finished (or another process failed it) meanwhile
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError):
+            continue  # it finished (or another process failed it) meanwhile
+        study.set_user_attr(f"{_FAILURE}:{t.number}", reason)
+        n += 1
     return n
+
+
+_FAILURE = "failure"
+
+
+def failure(study: optuna.Study, trial) -> str:
+    """Why a failed trial failed: set on the trial by the process that ran it, or on the study
+    by the one that failed it for a dead process."""
+    return trial.user_attrs.get(_FAILURE) or study.user_attrs.get(f"{_FAILURE}:{trial.number}", "")
 
 
 # Trials that count as run (a RUNNING one left by a dead process is failed before they count).
@@ -370,12 +379,14 @@ def work_on_study(
 
 def _duplicate_default(study: optuna.Study, trial: optuna.Trial) -> bool:
     """Two hosts that start a run at once may both enqueue the default: run it once."""
-    fixed = study._storage.get_trial_system_attrs(trial._trial_id).get("fixed_params")
+    trials = study.get_trials(deepcopy=False)
+    fixed = next(
+        (t.system_attrs.get("fixed_params") for t in trials if t.number == trial.number), None
+    )
     if fixed is None:
         return False
     return any(
-        t.number < trial.number and t.system_attrs.get("fixed_params") == fixed
-        for t in study.get_trials(deepcopy=False)
+        t.number < trial.number and t.system_attrs.get("fixed_params") == fixed for t in trials
     )
 
 
