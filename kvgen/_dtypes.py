@@ -1,6 +1,24 @@
-"""Short dtype names used in variant names, and their torch dtypes."""
+"""The one table of dtype names: the short names in variant names and messages, the torch
+dtypes, and the source names the templates write (``torch.bfloat16``, ``gl.bfloat16``)."""
 
 import torch
 
+# the input / output float dtypes of the kernels, by the short name variant names use
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-NAME = {v: k for k, v in TORCH.items()}
+# cache code dtypes, by the format name variant names use (int4 codes are packed into uint8)
+CACHE = {
+    "int8": torch.int8,
+    "fp8e4m3": torch.float8_e4m3fn,
+    "fp8e5m2": torch.float8_e5m2,
+    "int4": torch.uint8,
+}
+# short name of every dtype kvgen handles (variant names, error messages)
+NAME = {
+    **{v: k for k, v in TORCH.items()},
+    **{v: k for k, v in CACHE.items() if k != "int4"},
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+# short name -> the dtype's name in generated source (torch.<name>, tl / gl.<name>)
+SOURCE = {k: str(v).removeprefix("torch.") for k, v in TORCH.items()}

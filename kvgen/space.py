@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from kvgen._math import cdiv
+
 # Per-arch limits the constraints may use.
 ARCH_LIMITS = {
     "sm80": {"max_threads": 1024, "smem_bytes": 166912, "registers_per_thread": 255},
@@ -29,7 +31,7 @@ _FUNCS = {
     "is_pow2": lambda n: n > 0 and n & (n - 1) == 0,
     "min": min,
     "max": max,
-    "cdiv": lambda a, b: -(-a // b),
+    "cdiv": cdiv,
     "log2": math.log2,
 }
 _BINOPS = {

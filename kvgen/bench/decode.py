@@ -8,6 +8,7 @@ import statistics
 
 import torch
 
+from kvgen._math import cdiv
 from kvgen.bench import harness
 
 BATCH, PAGE, SEQLEN, HEAD_DIM, HEAD_DIM_V = 128, 64, 4096, 576, 512
@@ -48,7 +49,7 @@ def mixed_lengths(total: int, batch: int, seed: int = 0) -> list[int]:
 
 
 def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0):
-    need = [-(-n // PAGE) for n in lengths]
+    need = [cdiv(n, PAGE) for n in lengths]
     blocks = sum(need)
     k_cache = torch.randn(blocks, PAGE, 1, HEAD_DIM, device=device, dtype=dtype)
     pages = torch.randperm(blocks, device=device).to(torch.int32)

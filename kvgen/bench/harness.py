@@ -12,13 +12,14 @@ from collections.abc import Callable
 import torch
 
 import kvgen
+from kvgen._math import cdiv
 
 L2_ROTATE_BYTES = 512 << 20  # rotate buffers until a pass touches this much (> 8x a 60 MiB L2)
 
 
 def sets_for(bytes_per_set: int, most: int = 64) -> int:
     """How many buffer sets to rotate so that one pass over them spills the L2."""
-    return max(2, min(most, -(-L2_ROTATE_BYTES // max(1, bytes_per_set))))
+    return max(2, min(most, cdiv(L2_ROTATE_BYTES, max(1, bytes_per_set))))
 
 
 SETTLE_MS = 50.0

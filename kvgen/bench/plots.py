@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from kvgen._math import cdiv
+
 _SUFFIX_PARTS = 2  # "-sm90-gpu": the arch and target, the same on every row of one run
 
 
@@ -126,7 +128,7 @@ def show_plot(arch: str, docs: list[dict], path: Path) -> Path:
     if not docs:
         raise ValueError("no tuned configs to plot")
     cols = min(3, len(docs))
-    nrows = -(-len(docs) // cols)
+    nrows = cdiv(len(docs), cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 5 * nrows), squeeze=False)
     for ax, d in zip(axes.flat, docs, strict=False):
         rows = d["rows"]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from kvgen import _dtypes
+from kvgen._math import cdiv
 from kvgen.bench import harness
 
 TOKENS = (1, 16, 256, 4096, 65536)
@@ -54,7 +55,7 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
     name = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dtype], "paged", arch, target).name
     pitch = mxfp4.row_bytes(latent, group)
     for t in tokens:
-        blocks = -(-t // BLOCK_SIZE) + 1
+        blocks = cdiv(t, BLOCK_SIZE) + 1
         in_bytes = t * latent * dtype.itemsize + t * 8
         out_bytes = t * pitch
         n_sets = harness.sets_for(in_bytes + blocks * BLOCK_SIZE * pitch)
@@ -100,7 +101,7 @@ def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.
     name = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dtype], "paged", arch, target).name
     pitch = mxfp4.row_bytes(latent, group)
     for t in tokens:
-        blocks = -(-t // BLOCK_SIZE) + 1
+        blocks = cdiv(t, BLOCK_SIZE) + 1
         in_bytes = t * 8 + t * pitch
         out_bytes = t * latent * dtype.itemsize
         n_sets = harness.sets_for(blocks * BLOCK_SIZE * pitch + out_bytes)
@@ -176,17 +177,12 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
         triton_reshape_and_cache_flash_per_token_head_quant as store_quant,
     )
 
-    cache_dtype = {
-        "int8": torch.int8,
-        "fp8e4m3": torch.float8_e4m3fn,
-        "fp8e5m2": torch.float8_e5m2,
-        "int4": torch.uint8,
-    }[fmt]
+    cache_dtype = _dtypes.CACHE[fmt]
     int4 = fmt == "int4"
-    width = -(-head_size // 2) if int4 else head_size
-    groups = -(-head_size // 32)
+    width = cdiv(head_size, 2) if int4 else head_size
+    groups = cdiv(head_size, 32)
     for t in tokens:
-        blocks = -(-t // KV_BLOCK_SIZE) + 1
+        blocks = cdiv(t, KV_BLOCK_SIZE) + 1
         in_bytes = 2 * t * heads * head_size * dtype.itemsize + t * 8
         out_bytes = 2 * t * heads * (width + (groups * 2 if int4 else 4))
         cache_bytes = 2 * blocks * KV_BLOCK_SIZE * heads * (width + 8)

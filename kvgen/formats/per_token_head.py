@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kvgen._math import cdiv
+
 #: cache dtype -> (QMAX, QMIN) of the int8 / fp8 formats
 QUANT_RANGE = {
     torch.int8: (127.0, -128.0),
@@ -48,7 +50,7 @@ def dequantize_per_token_head(q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 
 
 def int4_groups(head_size: int, channels: int) -> int:
-    return -(-head_size // channels)
+    return cdiv(head_size, channels)
 
 
 def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
@@ -65,7 +67,7 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
     for boundary in torch.tensor(INT4_BOUNDARIES, dtype=torch.float32).tolist():
         m += (y > torch.tensor(boundary, dtype=torch.float32)).to(torch.int32)
     codes = (m | ((g < 0).to(torch.int32) << 3)).reshape(*x.shape[:-1], -1)
-    nbytes = -(-head_size // 2)
+    nbytes = cdiv(head_size, 2)
     codes = codes[..., : 2 * nbytes]
     if codes.shape[-1] < 2 * nbytes:  # odd head size: the last high nibble is padding
         codes = torch.cat([codes, torch.zeros_like(codes[..., :1])], dim=-1)

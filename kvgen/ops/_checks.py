@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import torch
 
-_DTYPE_NAMES = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "fp32",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.float8_e4m3fn: "fp8e4m3",
-    torch.float8_e5m2: "fp8e5m2",
-}
+from kvgen import _dtypes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    return _dtypes.NAME.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def tensor(name: str, value: object) -> torch.Tensor:

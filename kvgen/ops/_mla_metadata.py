@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kvgen._math import cdiv
 from kvgen.families.mla_decode import SCHED_BLOCK as BLOCK_N  # KV tokens per unit
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import split_policy
@@ -40,7 +41,7 @@ def num_sm_parts(
 ) -> int:
     """Work units: ``split_factor`` per SM (the tuned split policy; FlashMLA uses 1), shared by
     the head tiles of HEADS_PER_PART query heads."""
-    head_tiles = -(-num_heads_per_head_k // HEADS_PER_PART)
+    head_tiles = cdiv(num_heads_per_head_k, HEADS_PER_PART)
     return max(1, num_sms * split_factor // (num_heads_k * head_tiles))
 
 

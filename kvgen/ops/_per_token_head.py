@@ -7,6 +7,7 @@ from functools import cache
 import torch
 
 from kvgen import _dtypes, runtime
+from kvgen._math import cdiv
 from kvgen.codegen import load
 from kvgen.families.per_token_head import (
     INT4_CHANNELS,
@@ -19,11 +20,7 @@ from kvgen.ops import _checks as check
 from kvgen.ops._library import define, nothing
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-_QUANT_FORMATS = {
-    torch.int8: "int8",
-    torch.float8_e4m3fn: "fp8e4m3",
-    torch.float8_e5m2: "fp8e5m2",
-}
+_QUANT_FORMATS = {dt: fmt for fmt, dt in _dtypes.CACHE.items() if fmt != "int4"}
 
 
 def _check_kv(key, value, slot_mapping):
@@ -209,7 +206,7 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
     for name, t in (("key_cache", kc), ("value_cache", vc)):
         if t.dtype != torch.uint8:
             raise TypeError(f"{name} must have dtype torch.uint8 (packed int4); got {t.dtype}")
-    packed, packed_v = -(-head_size // 2), -(-head_size_v // 2)
+    packed, packed_v = cdiv(head_size, 2), cdiv(head_size_v, 2)
     kc = _check_cache("key_cache", kc, num_heads, packed, f"ceil({head_size} / 2) = {packed}")
     vc = _check_cache(
         "value_cache", vc, num_heads, packed_v, f"ceil({head_size_v} / 2) = {packed_v}", like=kc
@@ -219,14 +216,14 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
     groups = ks.shape[3]
     channels = int4_channels_for(head_size, groups)
     if channels is None:
-        options = ", ".join(f"{-(-head_size // c)} (C={c})" for c in INT4_CHANNELS)
+        options = ", ".join(f"{cdiv(head_size, c)} (C={c})" for c in INT4_CHANNELS)
         raise ValueError(
             f"k_scale_cache has {groups} scale groups per head; head_size {head_size} allows "
             f"{options}"
         )
     ks = _check_scales("k_scale_cache", ks, kc, num_heads, groups, torch.float16)
     vs = _check_scales(
-        "v_scale_cache", v_scale_cache, kc, num_heads, -(-head_size_v // channels), torch.float16
+        "v_scale_cache", v_scale_cache, kc, num_heads, cdiv(head_size_v, channels), torch.float16
     )
     caches = (kc, vc, ks, vs)
     _device(key, value, caches, slots)

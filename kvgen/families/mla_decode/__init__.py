@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from kvgen import _dtypes
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
-from kvgen.families.mxfp4_mla import TORCH_DTYPE
 from kvgen.space import ARCH_LIMITS
 
 WIDTHS = ((576, 512), (512, 512), (288, 256))
@@ -71,12 +71,12 @@ class MLADecodeSpec(VariantSpec):
         # Latent channels per K chunk: all of them, or a TMA box (at most 256) for sm90.
         chunk = min(256, self.head_dim_v) if self.variant == "tma" else self.head_dim_v
         return {
-            "torch_dtype": TORCH_DTYPE[self.dtype],
+            "torch_dtype": _dtypes.SOURCE[self.dtype],
             "rope": self.head_dim - self.head_dim_v,
             "sched_block": SCHED_BLOCK,
             "chunk": chunk,
             "nchunk": self.head_dim_v // chunk,
-            "gl_dtype": {"bf16": "bfloat16", "fp16": "float16"}[self.dtype],
+            "gl_dtype": _dtypes.SOURCE[self.dtype],
             "wgmma": self.variant == "wgmma",  # (the search space's constraints read it)
         }
 

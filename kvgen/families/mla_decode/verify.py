@@ -8,6 +8,7 @@ import math
 import torch
 
 from kvgen import _dtypes
+from kvgen._math import cdiv
 from kvgen.verify import Result
 
 
@@ -29,7 +30,7 @@ def verify_mla_decode(spec, device, seed: int = 0) -> Result:
         for p in (16, math.lcm(16, meta_p["block_n"]))
         if _accepts(module, torch.empty(1, p, 1, spec.head_dim, dtype=dtype), meta_p)
     )
-    need = [-(-n // page) for n in seqlens]
+    need = [cdiv(n, page) for n in seqlens]
     blocks = sum(need) + 2
     k = torch.randn(blocks, page, 1, spec.head_dim, generator=gen).to(dtype)
     pages = torch.randperm(blocks, generator=gen).to(torch.int32)

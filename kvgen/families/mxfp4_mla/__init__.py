@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from kvgen import _dtypes
+from kvgen._math import next_pow2
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
+from kvgen.formats.mxfp4 import row_bytes
 
 GROUPS = (16, 32, 64)
 # The latent widths every variant list covers; any multiple of the group up to 16384 can be
@@ -13,15 +16,6 @@ GROUPS = (16, 32, 64)
 LATENTS = (256, 448, 512, 1024)
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 LAYOUTS = ("paged", "flat")
-TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def row_bytes(latent: int, group: int) -> int:
-    return latent // 2 + latent // group
 
 
 def _latent_ok(v: Any) -> bool:
@@ -41,7 +35,7 @@ class _MXFP4Spec(VariantSpec):
 
     def derived(self) -> dict[str, Any]:
         num_groups = self.latent // self.group
-        num_groups_pad = _next_pow2(num_groups)
+        num_groups_pad = next_pow2(num_groups)
         return {
             "num_groups": num_groups,
             "num_groups_pad": num_groups_pad,
@@ -62,7 +56,7 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def derived(self) -> dict[str, Any]:
-        return super().derived() | {"torch_dtype": TORCH_DTYPE[self.in_dtype]}
+        return super().derived() | {"torch_dtype": _dtypes.SOURCE[self.in_dtype]}
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         # Measured on an H200 (benchmarks/results): few tokens want the shortest path per row
@@ -85,8 +79,8 @@ class GatherMXFP4MLASpec(_MXFP4Spec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def derived(self) -> dict[str, Any]:
-        return super().derived() | {"torch_dtype": TORCH_DTYPE[self.out_dtype]}
+        return super().derived() | {"torch_dtype": _dtypes.SOURCE[self.out_dtype]}
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
-        rows = max(1, min(16, _next_pow2(max(1, 4096 // self.latent))))
+        rows = max(1, min(16, next_pow2(max(1, 4096 // self.latent))))
         return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}

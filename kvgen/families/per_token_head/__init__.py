@@ -7,8 +7,10 @@ import dataclasses
 import struct
 from typing import Any, ClassVar
 
+from kvgen import _dtypes
+from kvgen._math import cdiv, next_pow2
 from kvgen.codegen.spec import ARCHS, TARGETS, VariantSpec, axis
-from kvgen.families.mxfp4_mla import FLOAT_DTYPES, TORCH_DTYPE
+from kvgen.families.mxfp4_mla import FLOAT_DTYPES
 from kvgen.formats.per_token_head import INT4_BOUNDARIES, INT4_CHANNELS
 
 # Archs whose PTX has packed bf16x2 compares and adds (set / add .bf16x2: sm_90 and up).
@@ -71,10 +73,6 @@ _FMT = {
 }
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def pieces(width: int, most: int = 4, min_tile: int = 16) -> list[tuple[int, int, int]]:
     """A head of ``width`` channels (or scale groups) as power-of-two tiles ``(offset, tile,
     valid)``: the binary decomposition (576 = 512 + 64, 80 = 64 + 16), with what is left after
@@ -87,7 +85,7 @@ def pieces(width: int, most: int = 4, min_tile: int = 16) -> list[tuple[int, int
         out.append((off, tile, tile))
         off += tile
     if off < width:
-        out.append((off, _next_pow2(width - off), width - off))
+        out.append((off, next_pow2(width - off), width - off))
     return out
 
 
@@ -117,7 +115,7 @@ def amax_groups(tiles: list[tuple[int, int, int]]) -> list[list[int]]:
 def int4_channels_for(head_size: int, groups: int) -> int | None:
     """Channels per scale that give ``groups`` scales per head (the smallest such: when several
     do, they all make a single group, so the bytes are the same)."""
-    return next((c for c in INT4_CHANNELS if -(-head_size // c) == groups), None)
+    return next((c for c in INT4_CHANNELS if cdiv(head_size, c) == groups), None)
 
 
 def _head_ok(v: Any) -> bool:
@@ -126,7 +124,7 @@ def _head_ok(v: Any) -> bool:
 
 def default_heads_per_program(num_heads: int, head_size: int) -> int:
     # About 1024 channels of K per program, at most all heads of the token.
-    return max(1, min(_next_pow2(num_heads), _next_pow2(max(1, 1024 // head_size))))
+    return max(1, min(next_pow2(num_heads), next_pow2(max(1, 1024 // head_size))))
 
 
 def _pow2_floor(x: float) -> int:
@@ -185,7 +183,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
         torch_name, tl_name, qmax, mant, bias, min_normal = _FMT[self.fmt]
         k_pieces, v_pieces = equal_pieces(self.head_size), equal_pieces(self.head_size_v)
         return {
-            "torch_dtype": TORCH_DTYPE[self.in_dtype],
+            "torch_dtype": _dtypes.SOURCE[self.in_dtype],
             "cache_torch_dtype": torch_name,
             "tl_cache_dtype": tl_name,
             "qmax": repr(qmax),
@@ -224,7 +222,7 @@ class StoreKVInt4Spec(VariantSpec):
 
     def derived(self) -> dict[str, Any]:
         def groups(d: int) -> int:
-            return -(-d // self.channels)
+            return cdiv(d, self.channels)
 
         words = self.head_size % 2 == 0 and self.head_size_v % 2 == 0
         fast = (
@@ -235,13 +233,13 @@ class StoreKVInt4Spec(VariantSpec):
         )
 
         return {
-            "torch_dtype": TORCH_DTYPE[self.in_dtype],
+            "torch_dtype": _dtypes.SOURCE[self.in_dtype],
             "groups": groups(self.head_size),
             "groups_v": groups(self.head_size_v),
             # even head sizes read words of two elements (see the template)
             "words": words,
-            "packed": -(-self.head_size // 2),
-            "packed_v": -(-self.head_size_v // 2),
+            "packed": cdiv(self.head_size, 2),
+            "packed_v": cdiv(self.head_size_v, 2),
             "min_scale": "1e-06",
             "boundaries": [repr(b) for b in INT4_BOUNDARIES],
             "midpoints": [repr(m) for m in int4_midpoints()],
@@ -254,7 +252,7 @@ class StoreKVInt4Spec(VariantSpec):
 
     def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
         return default_int4_meta(
-            num_tokens * num_heads * -(-self.head_size // self.channels), self.channels
+            num_tokens * num_heads * cdiv(self.head_size, self.channels), self.channels
         )
 
 

@@ -8,6 +8,7 @@ import math
 import torch
 
 from kvgen import _dtypes
+from kvgen._math import cdiv
 from kvgen.formats.per_token_head import INT4_BOUNDARIES
 from kvgen.verify import GuardedCache, Result, guarded, make_slots
 
@@ -28,8 +29,8 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
     int4 = spec.family == "store_kv_int4_per_token_head"
     if int4:
         dtype = torch.uint8
-        widths = (-(-spec.head_size // 2), -(-spec.head_size_v // 2))
-        groups = (-(-spec.head_size // spec.channels), -(-spec.head_size_v // spec.channels))
+        widths = (cdiv(spec.head_size, 2), cdiv(spec.head_size_v, 2))
+        groups = (cdiv(spec.head_size, spec.channels), cdiv(spec.head_size_v, spec.channels))
         scale_dtype = torch.float16
     else:
         dtype = getattr(torch, _FMT[spec.fmt][0])
@@ -101,7 +102,7 @@ def verify_store_kv(op, spec, device, tokens: int = 24, heads: int = 3, seed: in
     key = edge_case_heads(tokens, heads, spec.head_size, dt, seed)
     value = edge_case_heads(tokens, heads, spec.head_size_v, dt, seed + 1)
     block_size = 8
-    caches = make_kv_caches(spec, -(-2 * tokens // block_size), block_size, heads, device)
+    caches = make_kv_caches(spec, cdiv(2 * tokens, block_size), block_size, heads, device)
     slots = make_slots(tokens, caches[0].view.shape[0] * block_size, device, seed=seed)
     expected = [c.backing.cpu().clone() for c in caches]  # nhd: one buffer per cache
     want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
