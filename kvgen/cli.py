@@ -624,7 +624,7 @@ def show_cmd(
     Where an op chooses between variants by their tuned times (the MLA decode's portable, tma
     and wgmma), the "used" column marks the variant it takes at each bucket.
     """
-    from kvgen import configs
+    from kvgen import configs, registry
 
     arch = _arch(arch) if arch is not None else _target(None, None)[0]
     if plot is not None:
@@ -649,7 +649,7 @@ def show_cmd(
                 "family": doc["family"],
                 "env": doc["env"],
                 "provenance": doc["provenance"],
-                "rows": configs.rows(doc),
+                "rows": configs.rows(doc, registry.spec_class(doc["family"])),
             }
         )
     if as_json:

@@ -115,15 +115,12 @@ def read(path: Path, arch: str | None = None) -> tuple[dict | None, list[str]]:
     return doc, validate(doc, arch, path.stem)
 
 
-def rows(doc: dict) -> list[dict[str, Any]]:
+def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
     """A valid document's entries as rows (variant, bucket, meta, times, speed-up), with
-    ``used``: whether the op takes this variant at this bucket. Where a family's op chooses
-    between variants by their tuned times (its spec class's ``chosen_by_tuning`` names the
-    field that differs), that is the fastest of them at the bucket; otherwise every entry is
-    used."""
-    from kvgen import registry
-
-    cls = registry.spec_class(doc["family"])
+    ``used``: whether the op takes this variant at this bucket. Where the family's op chooses
+    between variants by their tuned times (its spec class ``cls``'s ``chosen_by_tuning`` names
+    the field that differs), that is the fastest of them at the bucket; otherwise every entry
+    is used."""
     axis = getattr(cls, "chosen_by_tuning", None) if cls is not None else None
     out = []
     for variant, buckets in sorted(doc["entries"].items()):
