@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvgen.bench.run import DEFAULT_OPS as BENCH_OPS
+
 app = typer.Typer(
     name="kvgen",
     help="Generate, verify, benchmark and tune Triton kernels for quantized paged KV caches.",
@@ -297,7 +299,7 @@ def bench_cmd(
         typer.Option(
             help="Comma-separated ops: mxfp4, mxfp4-gather, int8, fp8e4m3, fp8e5m2, int4, decode."
         ),
-    ] = "mxfp4,mxfp4-gather,int8,fp8e4m3,int4,decode",
+    ] = ",".join(BENCH_OPS),
     latent: Annotated[int, typer.Option(help="Latent width of the MXFP4 store.")] = 512,
     group: Annotated[int, typer.Option(help="MXFP4 group size.")] = 32,
     json_out: Annotated[
@@ -332,102 +334,79 @@ def bench_cmd(
     """
     import torch
 
-    known_ops = ("mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "fp8e5m2", "int4", "decode")
-    wanted = [o.strip() for o in ops.split(",") if o.strip()]
-    unknown = sorted(set(wanted) - set(known_ops))
-    if unknown:
-        raise _fail(f"unknown ops {', '.join(unknown)}; known: {', '.join(known_ops)}")
-    if plot is not None:
-        from kvgen.bench import plots
+    from kvgen.bench import run as bench_run
 
+    wanted = [o.strip() for o in ops.split(",") if o.strip()]
+    unknown = sorted(set(wanted) - set(bench_run.OPS))
+    if unknown:
+        raise _fail(f"unknown ops {', '.join(unknown)}; known: {', '.join(bench_run.OPS)}")
+    if plot is not None:
         _need_matplotlib()  # before minutes of timing, not after
     if not torch.cuda.is_available():
         raise _fail("kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
-    import itertools
-
-    from kvgen.bench import harness, store
-
     sizes = [int(t) for t in tokens.split(",") if t.strip()]
-    device = torch.device("cuda")
-    env = harness.environment(commit)
-    err.print(f"{env['device']}: measuring the copy ceiling ...")
-    copies = harness.copy_bandwidths(device)
-    copy_bw = max(copies.values())
-    for how, bw in copies.items():
-        err.print(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
-    out = _console(wide)
-    table = Table(title=f"kvgen bench on {env['device']} (copy {copy_bw / 1e9:.0f} GB/s)")
-    cols = [
-        "variant",
-        "tokens",
-        "graph us",
-        "eager us",
-        "GB/s",
-        "x copy BW",
-        "copy us",
-        "x copy time",
-        "ok",
-    ]
-    if compare_default:
-        cols.insert(3, "default us")
-    for col in cols:
-        table.add_column(col, justify="left" if col == "variant" else "right")
+    doc = bench_run.measure(
+        wanted,
+        sizes,
+        latent=latent,
+        group=group,
+        compare_default=compare_default,
+        commit=commit,
+        log=err.print,
+    )
+    _print_bench(doc, _console(wide), compare_default)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        err.print(f"wrote {json_out}")
+    if plot is not None:
+        from kvgen.bench import plots
 
-    def progress(row):
-        err.print(
-            f"  {row.variant} tokens={row.num_tokens}: {row.graph_us:.2f} us, "
-            f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)"
-        )
+        plots.bench_plot(doc, plot)
+        err.print(f"wrote {plot}")
+    if not bench_run.all_correct(doc):
+        raise typer.Exit(1)
 
-    cases = []
-    if "mxfp4" in wanted:
-        cases.append(store.mxfp4_cases(device, sizes, latent, group))
-    if "mxfp4-gather" in wanted:
-        cases.append(store.mxfp4_gather_cases(device, sizes, latent, group))
-    for fmt in (o for o in wanted if o not in ("mxfp4", "mxfp4-gather", "decode")):
-        for heads, head_size in store.KV_SHAPES:
-            cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
-    rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
-    for r in rows:
-        cells = [
-            r.variant,
-            str(r.num_tokens),
-            f"{r.graph_us:.2f}",
-            f"{r.eager_us:.2f}",
-            f"{r.gbps:.0f}",
-            f"{r.bw_ratio:.3f}",
-            f"{r.copy_graph_us:.2f}",
-            f"{r.latency_ratio:.2f}",
-            _ok(r.correct),
+
+def _print_bench(doc: dict, out: Console, compare_default: bool) -> None:
+    copy, mm = doc["copy_bandwidth_GBps"], doc["matmul_TFLOPs"]
+    if doc["results"]:
+        table = Table(title=f"kvgen bench on {doc['env']['device']} (copy {copy:.0f} GB/s)")
+        cols = [
+            "variant",
+            "tokens",
+            "graph us",
+            "eager us",
+            "GB/s",
+            "x copy BW",
+            "copy us",
+            "x copy time",
+            "ok",
         ]
         if compare_default:
-            cells.insert(3, f"{r.default_graph_us:.2f}")
-        table.add_row(*cells)
-    if rows:
+            cols.insert(3, "default us")
+        for col in cols:
+            table.add_column(col, justify="left" if col == "variant" else "right")
+        for r in doc["results"]:
+            cells = [
+                r["variant"],
+                str(r["num_tokens"]),
+                f"{r['graph_us']:.2f}",
+                f"{r['eager_us']:.2f}",
+                f"{r['gbps']:.0f}",
+                f"{r['bw_ratio']:.3f}",
+                f"{r['copy_graph_us']:.2f}",
+                f"{r['latency_ratio']:.2f}",
+                _ok(r["correct"]),
+            ]
+            if compare_default:
+                cells.insert(3, f"{r['default_graph_us']:.2f}")
+            table.add_row(*cells)
         out.print(table)
         out.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
-    decode_rows, mm = [], None
-    if "decode" in wanted:
-        from kvgen.bench import decode
-
-        if compare_default:
-            err.print(
-                "note: --compare-default times the store ops only; `kvgen show` lists the "
-                "decode's default and tuned times per bucket, measured when it was tuned"
-            )
-        mm = decode.matmul_rate(device)
-        err.print(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
-        decode_rows = decode.run(
-            device,
-            copy_bw,
-            mm,
-            progress=lambda r: err.print(
-                f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
-            ),
-        )
+    if doc["decode"]:
         dt = Table(
-            title=f"MLA decode, batch 128, page 64 (copy {copy_bw / 1e9:.0f} GB/s, "
-            f"matmul {mm / 1e12:.0f} TFLOP/s)"
+            title=f"MLA decode, batch 128, page 64 (copy {copy:.0f} GB/s, matmul {mm:.0f} TFLOP/s)"
         )
         for col in (
             "variant",
@@ -441,42 +420,23 @@ def bench_cmd(
             "ok",
         ):
             dt.add_column(col, justify="left" if col in ("variant", "lengths") else "right")
-        for r in decode_rows:
+        for r in doc["decode"]:
             dt.add_row(
-                r.variant,
-                r.lengths,
-                str(r.heads),
-                f"{r.graph_us:.1f}",
-                f"{r.gbps:.0f}",
-                f"{r.tflops:.0f}",
-                f"{r.bw_ratio:.2f}",
-                f"{r.mm_ratio:.2f}",
-                _ok(r.correct),
+                r["variant"],
+                r["lengths"],
+                str(r["heads"]),
+                f"{r['graph_us']:.1f}",
+                f"{r['gbps']:.0f}",
+                f"{r['tflops']:.0f}",
+                f"{r['bw_ratio']:.2f}",
+                f"{r['mm_ratio']:.2f}",
+                _ok(r["correct"]),
             )
         out.print(dt)
         out.print(
             "goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
             "mixed within 10% of equal"
         )
-    from dataclasses import asdict
-
-    doc = {
-        "env": env,
-        "copy_bandwidth_GBps": copy_bw / 1e9,
-        "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
-        "matmul_TFLOPs": None if mm is None else mm / 1e12,
-        "results": [asdict(r) for r in rows],
-        "decode": [asdict(r) for r in decode_rows],
-    }
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        err.print(f"wrote {json_out}")
-    if plot is not None:
-        plots.bench_plot(doc, plot)
-        err.print(f"wrote {plot}")
-    if not all(r.correct for r in [*rows, *decode_rows]):
-        raise typer.Exit(1)
 
 
 def _need_matplotlib() -> None:

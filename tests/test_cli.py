@@ -281,3 +281,60 @@ def test_plots_without_matplotlib_say_how_to_get_it(monkeypatch, tmp_path):
     result = runner.invoke(app, ["show", "sm90", "--plot", str(tmp_path / "x.png")])
     assert result.exit_code == 2
     assert "pip install 'kvgen[plot]'" in result.output
+
+
+def test_bench_command_prints_writes_and_plots(tmp_path, monkeypatch):
+    """`kvgen bench` end to end with the GPU parts faked: the tables, the JSON, the plot, and
+    exit 1 when a result is wrong."""
+    import json
+
+    import torch
+
+    from kvgen.bench import decode, harness, store
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(harness, "environment", lambda commit=None: {"device": "fake GPU"})
+    monkeypatch.setattr(harness, "copy_bandwidths", lambda device: {"memcpy": 4.0e12})
+    for name in ("mxfp4_cases", "mxfp4_gather_cases", "kv_cases"):
+        monkeypatch.setattr(store, name, lambda *a, **k: iter(()))
+    good = [True]
+
+    def fake_store_run(cases, device, copy_bw, progress, compare_default):
+        list(cases)
+        rows = []
+        for t in (1, 16):
+            r = store.Row(
+                "store_mxfp4_mla",
+                "store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu",
+                t,
+                t * 1304,
+                1.2 * t,
+                40.0,
+                1.0 * t,
+            )
+            r.gbps, r.bw_ratio, r.latency_ratio, r.correct = 1.0 * t, 0.1, 1.2, good[0]
+            rows.append(r)
+        return rows
+
+    monkeypatch.setattr(store, "run", fake_store_run)
+    monkeypatch.setattr(decode, "matmul_rate", lambda device: 7.0e14)
+    row = decode.DecodeRow(
+        "auto", "equal 4096", 16, 1, 524288, 150.0, 4000.0, 120.0, 0.9, 0.17, True
+    )
+    monkeypatch.setattr(decode, "run", lambda device, copy_bw, mm, progress=None: [row])
+    out = tmp_path / "b.json"
+    args = ["bench", "--tokens", "1,16", "--ops", "mxfp4,decode", "--json", str(out)]
+    if __import__("importlib").util.find_spec("matplotlib"):
+        args += ["--plot", str(tmp_path / "b.png")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu" in result.stdout
+    assert "MLA decode, batch 128" in result.stdout and "equal 4096" in result.stdout
+    doc = json.loads(out.read_text())
+    assert doc["matmul_TFLOPs"] == 700.0 and len(doc["results"]) == 2 and doc["decode"]
+    if "--plot" in args:
+        assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    good[0] = False
+    assert runner.invoke(app, args).exit_code == 1  # a wrong result fails the command
+    result = runner.invoke(app, ["bench", "--ops", "mxfp4,nope"])
+    assert result.exit_code == 2 and "unknown ops nope" in result.output
