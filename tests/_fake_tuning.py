@@ -17,6 +17,21 @@ import signal
 import time
 
 
+def environment() -> dict:
+    """A tuned file's env block with this process's torch and Triton (the loader ignores a
+    file from another Triton)."""
+    import torch
+    import triton
+
+    return {
+        "cuda": "13.0",
+        "device": "fake",
+        "kvgen": "0.1.0",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
 def cost(meta):
     if "rows_per_program" not in meta:  # another family's space: any fixed surface will do
         return 10.0 + sum(abs(v - 2) * (i + 1) for i, v in enumerate(sorted(meta.values())))

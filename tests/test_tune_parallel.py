@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 optuna = pytest.importorskip("optuna")
 
@@ -27,18 +26,12 @@ HERE = Path(__file__).parent
 _spec = importlib.util.spec_from_file_location("_fake_tuning", HERE / "_fake_tuning.py")
 fake = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake)
+ENV = fake.environment()
 
 SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 SPACE = load_space(SPEC.template)
 BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
-ENV = {
-    "cuda": "13.0",
-    "device": "fake",
-    "kvgen": "0.1.0",
-    "torch": torch.__version__,
-    "triton": triton.__version__,
-}  # the running versions: the loader takes the files
 
 
 def _env(log, sleep=0.02, die_at=0, fault_at=0):
@@ -291,7 +284,6 @@ def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, mo
 @pytest.fixture
 def two_fake_gpus(tmp_path, monkeypatch):
     """`kvgen tune` as on a machine with two GPUs, whose workers time with the fake timer."""
-    import torch
 
     import kvgen.runtime
     from kvgen.bench import harness
@@ -317,9 +309,9 @@ def _kvgen(*args):
     return CliRunner().invoke(kvgen.cli.app, list(args))
 
 
-def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
-    """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
-    args = [
+def _tune_args(tmp_path, buckets: str, gpus: str) -> list[str]:
+    """`kvgen tune SPEC` on a grid, at ``buckets``, on ``gpus`` fake GPUs, into tmp_path."""
+    return [
         "tune",
         SPEC.name,
         "--arch",
@@ -327,7 +319,7 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
         "--sampler",
         "grid",
         "--buckets",
-        "16,65536",
+        buckets,
         "--storage",
         str(tmp_path / "t.journal"),
         "--out",
@@ -335,8 +327,13 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
         "--jobs",
         "1",
         "--gpus",
-        "2",
+        gpus,
     ]
+
+
+def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
+    """`kvgen tune --gpus 2` end to end, with the GPU faked: two workers, one JSON."""
+    args = _tune_args(tmp_path, "16,65536", "2")
     result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     assert "on 2 GPU(s)" in result.output and "[gpu fake1]" in result.output
@@ -368,24 +365,7 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
     """One GPU is one worker of the same path: no trial runs in the command's own process (a
     candidate that broke the GPU context would take the command with it); only the
     confirmation's re-timings do, after the worker has exited."""
-    args = [
-        "tune",
-        SPEC.name,
-        "--arch",
-        "sm90",
-        "--sampler",
-        "grid",
-        "--buckets",
-        "16",
-        "--storage",
-        str(tmp_path / "t.journal"),
-        "--out",
-        str(tmp_path / "out"),
-        "--jobs",
-        "1",
-        "--gpus",
-        "1",
-    ]
+    args = _tune_args(tmp_path, "16", "1")
     os.environ["KVGEN_FAKE_WORKERS"] = "1"  # (the fixture's monkeypatch restores it)
     result = _kvgen(*args)
     assert result.exit_code == 0, result.output

@@ -27,7 +27,7 @@ ENV = {
     "kvgen": "0.1.0",
     "torch": torch.__version__,
     "triton": triton.__version__,
-}  # the running versions: the loader takes the files
+}  # the running versions (the loader ignores another Triton's)
 
 
 def fake_time(meta):
