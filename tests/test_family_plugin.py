@@ -51,6 +51,7 @@ def test_entry_point_family_is_listed_generated_and_verified(tmp_path):
 
 @pytest.fixture
 def toy():
+    registry.all_families()  # discovered before the toy's entry point is on the path
     sys.path.insert(0, str(TOY))
     try:
         import toy_family
