@@ -4,18 +4,69 @@ variant, length mix and head count. The CLI prints and plots it; ``--json`` writ
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
-# the ops `kvgen bench --ops` takes; "decode" is the MLA decode at FlashMLA's shapes
-STORE_OPS = ("mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "fp8e5m2", "int4")
-OPS = (*STORE_OPS, "decode")
-DEFAULT_OPS = ("mxfp4", "mxfp4-gather", "int8", "fp8e4m3", "int4", "decode")
+from kvgen import registry
+
+if TYPE_CHECKING:
+    from kvgen.families import Family
+
+
+@dataclasses.dataclass
+class Bench:
+    """What a family's ``bench`` gets: the device, the sizes, the same-run ceilings (the matmul
+    rate measured on first use) and the command's options."""
+
+    device: Any
+    sizes: list[int]
+    copy_bw: float
+    latent: int = 512
+    group: int = 32
+    compare_default: bool = False
+    log: Callable[[str], None] = print
+    _matmul: float | None = None
+
+    def matmul(self) -> float:
+        """bf16 matmul FLOP/s, measured once."""
+        if self._matmul is None:
+            from kvgen.bench import decode
+
+            self._matmul = decode.matmul_rate(self.device)
+            self.log(f"bf16 matmul 8192^3: {self._matmul / 1e12:.0f} TFLOP/s")
+        return self._matmul
+
+    def progress(self, row) -> None:
+        self.log(
+            f"  {row.variant} tokens={row.num_tokens}: {row.graph_us:.2f} us, "
+            f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)"
+        )
+
+    def stores(self, cases) -> tuple[str, list]:
+        """Time store-like ``cases`` (``bench.store.Case``): the "results" rows."""
+        from kvgen.bench import store
+
+        rows = store.run(cases, self.device, self.copy_bw, self.progress, self.compare_default)
+        return "results", rows
+
+
+def ops() -> dict[str, Family]:
+    """op label -> the family that benches it, over every family the registry knows."""
+    return {op: fam for fam in registry.all_families().values() for op in fam.bench_ops}
+
+
+def default_ops() -> list[str]:
+    return [
+        op
+        for fam in registry.all_families().values()
+        for op in (fam.bench_ops if fam.bench_default is None else fam.bench_default)
+    ]
 
 
 def measure(
-    ops: list[str],
+    wanted: list[str],
     sizes: list[int],
     *,
     latent: int = 512,
@@ -24,14 +75,16 @@ def measure(
     commit: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Time ``ops`` (of ``OPS``) on this machine's first GPU; the bench document."""
+    """Time the ``wanted`` ops (labels of ``ops()``) on this machine's first GPU; the bench
+    document."""
     import torch
 
-    from kvgen.bench import harness, store
+    from kvgen.bench import harness
 
-    unknown = sorted(set(ops) - set(OPS))
+    by_op = ops()
+    unknown = sorted(set(wanted) - set(by_op))
     if unknown:
-        raise ValueError(f"unknown ops {', '.join(unknown)}; known: {', '.join(OPS)}")
+        raise ValueError(f"unknown ops {', '.join(unknown)}; known: {', '.join(by_op)}")
     device = torch.device("cuda")
     env = harness.environment(commit)
     log(f"{env['device']}: measuring the copy ceiling ...")
@@ -39,48 +92,19 @@ def measure(
     copy_bw = max(copies.values())
     for how, bw in copies.items():
         log(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
-
-    def progress(row):
-        log(
-            f"  {row.variant} tokens={row.num_tokens}: {row.graph_us:.2f} us, "
-            f"{row.gbps:.0f} GB/s ({row.bw_ratio:.2f} of copy)"
-        )
-
-    cases = []
-    if "mxfp4" in ops:
-        cases.append(store.mxfp4_cases(device, sizes, latent, group))
-    if "mxfp4-gather" in ops:
-        cases.append(store.mxfp4_gather_cases(device, sizes, latent, group))
-    for fmt in (o for o in ops if o in STORE_OPS and not o.startswith("mxfp4")):
-        for heads, head_size in store.KV_SHAPES:
-            cases.append(store.kv_cases(device, sizes, fmt, heads, head_size))
-    rows = store.run(itertools.chain(*cases), device, copy_bw, progress, compare_default)
-    decode_rows, mm = [], None
-    if "decode" in ops:
-        from kvgen.bench import decode
-
-        if compare_default:
-            log(
-                "note: --compare-default times the store ops only; `kvgen show` lists the "
-                "decode's default and tuned times per bucket, measured when it was tuned"
-            )
-        mm = decode.matmul_rate(device)
-        log(f"bf16 matmul 8192^3: {mm / 1e12:.0f} TFLOP/s")
-        decode_rows = decode.run(
-            device,
-            copy_bw,
-            mm,
-            progress=lambda r: log(
-                f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
-            ),
-        )
+    bench = Bench(device, sizes, copy_bw, latent, group, compare_default, log)
+    sections: dict[str, list] = {"results": [], "decode": []}
+    for op in by_op:  # in the registry's order, whatever the order asked
+        if op in wanted:
+            section, rows = by_op[op].bench(op, bench)
+            sections[section].extend(rows)
     return {
         "env": env,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
-        "matmul_TFLOPs": None if mm is None else mm / 1e12,
-        "results": [asdict(r) for r in rows],
-        "decode": [asdict(r) for r in decode_rows],
+        "matmul_TFLOPs": None if bench._matmul is None else bench._matmul / 1e12,
+        "results": [asdict(r) for r in sections["results"]],
+        "decode": [asdict(r) for r in sections["decode"]],
     }
 
 

@@ -163,7 +163,6 @@ def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> 
     return rows
 
 
-KV_SHAPES = ((8, 128), (1, 576))  # (num_kv_heads, head_size), head_size_v = head_size
 KV_BLOCK_SIZE = 16
 
 

@@ -16,6 +16,7 @@ from kvgen.codegen.spec import VariantSpec
 if TYPE_CHECKING:
     import torch
 
+    from kvgen.bench.run import Bench
     from kvgen.verify import Result
 
 # A tuning problem: ``run(i, meta)`` launches the candidate on rotated input set ``i`` (what is
@@ -65,6 +66,15 @@ class Family(abc.ABC):
         """The variants ``kvgen tune`` tunes when no names are given (the ones the benchmarks
         measure); none by default."""
         return []
+
+    #: the op labels ``kvgen bench --ops`` takes for this family, and those it times by default
+    bench_ops: ClassVar[tuple[str, ...]] = ()
+    bench_default: ClassVar[tuple[str, ...]] | None = None  # None: all of bench_ops
+
+    def bench(self, op: str, bench: Bench) -> tuple[str, list]:
+        """Time ``op`` (one of ``bench_ops``) on the GPU: ``(section, rows)``, the rows going to
+        the bench document's ``section`` ("results" for stores and readers, "decode")."""
+        raise NotImplementedError(f"{self.name} has no benchmark")
 
     def bucket_applies(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
         """Whether tuning ``spec`` at ``bucket`` means anything (e.g. a head count the shape

@@ -25,6 +25,26 @@ class MLADecode(Family):
         # DeepSeek's 576 / 512 in bf16, every variant this arch has (the op picks by tuned time)
         return [s for s in self.variants(arch, "gpu") if (s.head_dim, s.dtype) == (576, "bf16")]
 
+    bench_ops = ("decode",)
+
+    def bench(self, op, bench):
+        from kvgen.bench import decode
+
+        if bench.compare_default:
+            bench.log(
+                "note: --compare-default times the store ops only; `kvgen show` lists the "
+                "decode's default and tuned times per bucket, measured when it was tuned"
+            )
+        rows = decode.run(
+            bench.device,
+            bench.copy_bw,
+            bench.matmul(),
+            progress=lambda r: bench.log(
+                f"  decode {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
+            ),
+        )
+        return "decode", rows
+
     def verify(self, spec, device):
         from kvgen.families.mla_decode.verify import verify_mla_decode
 

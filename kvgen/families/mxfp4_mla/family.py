@@ -39,6 +39,12 @@ class StoreMXFP4MLA(_MXFP4Family):
     """``store_mxfp4_mla``: quantize the MLA latent to MXFP4 rows and scatter them by slot."""
 
     spec_class = StoreMXFP4MLASpec
+    bench_ops = ("mxfp4",)
+
+    def bench(self, op, bench):
+        from kvgen.bench import store
+
+        return bench.stores(store.mxfp4_cases(bench.device, bench.sizes, bench.latent, bench.group))
 
     def verify(self, spec, device):
         from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4
@@ -55,6 +61,13 @@ class GatherMXFP4MLA(_MXFP4Family):
     """``gather_mxfp4_mla``: read the MXFP4 rows of given slots back, dequantized."""
 
     spec_class = GatherMXFP4MLASpec
+    bench_ops = ("mxfp4-gather",)
+
+    def bench(self, op, bench):
+        from kvgen.bench import store
+
+        cases = store.mxfp4_gather_cases(bench.device, bench.sizes, bench.latent, bench.group)
+        return bench.stores(cases)
 
     def verify(self, spec, device):
         from kvgen.families.mxfp4_mla.verify import verify_gather_mxfp4

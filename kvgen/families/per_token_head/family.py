@@ -43,6 +43,18 @@ class _StoreKVFamily(Family):
         heads = bucket.get("num_heads")
         return heads is None or (spec.head_size >= 512) == (heads == 1)
 
+    def bench(self, op, bench):
+        # op: the cache format (int8, fp8e4m3, fp8e5m2, int4), at each of the bench's shapes
+        import itertools
+
+        from kvgen.bench import store
+
+        return bench.stores(
+            itertools.chain.from_iterable(
+                store.kv_cases(bench.device, bench.sizes, op, heads, d) for heads, d in BENCH_SHAPES
+            )
+        )
+
     def verify(self, spec, device):
         from kvgen.families.per_token_head.verify import verify_store_kv
 
@@ -59,6 +71,8 @@ class StoreKVPerTokenHead(_StoreKVFamily):
     fp32 scale per (token, head)."""
 
     spec_class = StoreKVPerTokenHeadSpec
+    bench_ops = FORMATS
+    bench_default = ("int8", "fp8e4m3")
 
     @property
     def op(self):
@@ -73,6 +87,7 @@ class StoreKVInt4PerTokenHead(_StoreKVFamily):
     Gaussian-friendly levels with fp16 group scales."""
 
     spec_class = StoreKVInt4Spec
+    bench_ops = ("int4",)
 
     @property
     def op(self):
