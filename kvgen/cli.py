@@ -584,7 +584,7 @@ def show_cmd(
 ) -> None:
     """Print the tuned configs of an arch as a table.
 
-    Where an op chooses between variants by their tuned times (the MLA decode's portable, tma
+    Where an op chooses between variants by their tuned times (the MLA decode's portable
     and wgmma), the "used" column marks the variant it takes at each bucket.
     """
     from kvgen import configs, registry

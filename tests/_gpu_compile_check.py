@@ -99,8 +99,6 @@ for spec in (
 for spec in (
     MLADecodeSpec(576, 512, "bf16"),
     MLADecodeSpec(288, 256, "fp16"),
-    MLADecodeSpec(576, 512, "bf16", "tma"),
-    MLADecodeSpec(512, 512, "fp16", "tma"),
     MLADecodeSpec(576, 512, "bf16", "wgmma"),
     MLADecodeSpec(512, 512, "fp16", "wgmma"),
     MLADecodeSpec(288, 256, "bf16", "wgmma"),
@@ -120,23 +118,8 @@ for spec in (
         "lse_ptr": "*fp32",
         "scale_log2": "fp32",
     }
-    if spec.variant == "wgmma":  # Gluon: two warpgroups, 64 rows, 16-64 keys a tile
-        for bn, bufs, in_page in ((64, 2, True), (32, 3, False), (16, 2, True)):
-            compile_fn(
-                spec.name,
-                mod.split_kernel,
-                types,
-                {
-                    "CAUSAL": bn == 32,
-                    "BLOCK_H": 64,
-                    "BLOCK_N": bn,
-                    "NUM_BUF": bufs,
-                    "TILE_IN_PAGE": in_page,
-                },
-                warps=8,
-                aligned=("k_ptr", "stride_k_block", "stride_k_row"),
-            )
-        # roles=1: three 4-warp partitions (warp_specialize), registers set per partition
+    if spec.variant == "wgmma":  # Gluon: 64 rows, 16-64 keys a tile
+        # three 4-warp partitions (warp_specialize), registers set per partition
         # K tiles by TMA (descriptors typed with their shared layouts, as Gluon's are) or by
         # cp.async (the descriptor arguments are then the cache itself, unused)
         for bn, bufs, in_page, tma in (
@@ -172,18 +155,18 @@ for spec in (
                 ),
             )
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
-        if spec.variant == "tma":
-            chunk, rope = min(256, spec.head_dim_v), spec.head_dim - spec.head_dim_v
-            types["k_lat_desc"] = f"tensordesc<{spec.dtype}[{bn}, {chunk}]>"
-            types["k_rope_desc"] = f"tensordesc<{spec.dtype}[{bn}, {rope}]>"
-            types["q_desc"] = f"tensordesc<{spec.dtype}[{bh}, {chunk}]>"
-            types["q_rope_desc"] = f"tensordesc<{spec.dtype}[{bh}, {rope}]>"
         compile_fn(
             spec.name,
             mod.split_kernel,
             types,
-            {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2, "PAGE_AHEAD": bh == 16}
-            | ({} if spec.variant == "tma" else {"TILE_IN_PAGE": bh == 64}),
+            {
+                "CAUSAL": True,
+                "BLOCK_H": bh,
+                "BLOCK_N": bn,
+                "NUM_STAGES": 2,
+                "PAGE_AHEAD": bh == 16,
+                "TILE_IN_PAGE": bh == 64,
+            },
         )
     compile_fn(
         spec.name,

@@ -9,7 +9,7 @@ import torch
 
 from kvgen import runtime
 from kvgen.codegen import load
-from kvgen.families.mla_decode import MLADecodeSpec, available
+from kvgen.families.mla_decode import VARIANTS, MLADecodeSpec, available
 
 
 @cache
@@ -25,13 +25,14 @@ def _spec(cls, *fields):
 
 def choose(cls, d, dv, dtype, arch, target, k, rows):
     """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
-    Hopper variant (tma, wgmma) only where it has been tuned on this arch (tuning checks every
+    Hopper variant (wgmma) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU) and its launcher accepts the cache (page size,
     strides, alignment: its ``check_cache``); the portable one otherwise."""
     portable = _spec(cls, d, dv, dtype, "portable", arch, target)
     others = [
         spec
-        for v in ("tma", "wgmma")
+        for v in VARIANTS
+        if v != "portable"
         if available(v, arch, target)
         for spec in [_spec(cls, d, dv, dtype, v, arch, target)]
         if _accepts(spec, k, rows)
@@ -87,6 +88,6 @@ def _split_policy(arch, target, rows):
     def spec(variant):
         return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
-    others = [spec(v) for v in ("tma", "wgmma") if available(v, arch, target)]
+    others = [spec(v) for v in VARIANTS if v != "portable" and available(v, arch, target)]
     best = _tuned_winner(spec("portable"), others, rows)
     return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)

@@ -13,11 +13,12 @@ WIDTHS = ((576, 512), (512, 512), (288, 256))
 # The split-KV schedule's unit: get_mla_metadata cuts sequences into blocks of this many
 # tokens, and the decode kernels walk those blocks.
 SCHED_BLOCK = 64
-TMA_ARCHS = ("sm90", "sm100")
 WGMMA_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone (sm100 has tcgen05 instead)
-# tma: Hopper tensor descriptors, pipelined KV loop. wgmma: a Gluon kernel, 64-row tiles split over
-# two warpgroups (GPU only: Gluon does not run in Triton's interpreter).
-VARIANTS = ("portable", "tma", "wgmma")
+# portable: Triton, any arch (mla_decode.py.j2). wgmma: a Gluon kernel, 64-row tiles with the work
+# split by roles between warpgroups (mla_decode_wgmma.py.j2; GPU only: Gluon does not run in
+# Triton's interpreter).
+VARIANTS = ("portable", "wgmma")
+TEMPLATES = {"portable": "mla_decode.py.j2", "wgmma": "mla_decode_wgmma.py.j2"}
 
 
 def _pow2(v: int) -> bool:
@@ -44,7 +45,6 @@ def widths_problem(head_dim: int, head_dim_v: int) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class MLADecodeSpec(VariantSpec):
     family: ClassVar[str] = "mla_decode"
-    template: ClassVar[str] = "mla_decode.py.j2"
     # flash_mla_with_kvcache takes, of the variants that accept the cache, the one whose tuned
     # time is lowest at the bucket (kvgen show marks it).
     chosen_by_tuning: ClassVar[str] = "variant"
@@ -56,42 +56,35 @@ class MLADecodeSpec(VariantSpec):
     arch: str = axis("", choices=ARCHS, default="sm90")
     target: str = axis("", choices=TARGETS, default="gpu")
 
+    @property
+    def template(self) -> str:  # one template (and search space) per algorithm
+        return TEMPLATES[self.variant]
+
     def check_combination(self) -> None:
         if not available(self.variant, self.arch, self.target):
-            where = {"tma": f"{TMA_ARCHS}", "wgmma": f"{WGMMA_ARCHS} on the GPU (Gluon)"}
             raise SpecError(
-                f"{self.family}: the {self.variant} variant needs "
-                f"{where[self.variant]}, not {self.arch}/{self.target}"
+                f"{self.family}: the {self.variant} variant needs {WGMMA_ARCHS} on the GPU "
+                f"(Gluon), not {self.arch}/{self.target}"
             )
         why = widths_problem(self.head_dim, self.head_dim_v)
         if why:
             raise SpecError(f"{self.family}: {why}")
 
     def derived(self) -> dict[str, Any]:
-        # Latent channels per K chunk: all of them, or a TMA box (at most 256) for sm90.
-        chunk = min(256, self.head_dim_v) if self.variant == "tma" else self.head_dim_v
         return {
             "torch_dtype": _dtypes.SOURCE[self.dtype],
             "rope": self.head_dim - self.head_dim_v,
             "sched_block": SCHED_BLOCK,
-            "chunk": chunk,
-            "nchunk": self.head_dim_v // chunk,
+            # the portable kernel's latent channels in one chunk
+            "chunk": self.head_dim_v,
+            "nchunk": 1,
             "gl_dtype": _dtypes.SOURCE[self.dtype],
-            "wgmma": self.variant == "wgmma",  # (the search space's constraints read it)
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
-        if self.variant == "wgmma":  # 64-row tiles, two K tiles in flight, the work split by
-            # roles between warpgroups (the fastest point of the H200 sweep at 32-128 heads)
-            return {
-                "block_h": 64,
-                "block_n": 64,
-                "num_warps": 8,
-                "num_stages": 2,
-                "split_factor": 1,
-                "page_ahead": 0,
-                "roles": 1,
-            }
+        if self.variant == "wgmma":  # 64-key tiles, two in flight (the fastest point of the
+            # H200 sweep at 32-128 heads)
+            return {"block_n": 64, "num_stages": 2, "split_factor": 1}
         # 16 query rows x 32 keys with 4 warps: no register spills for 576/512 on sm90 (64-row
         # wgmma tiles spill; the tuner measures whether they pay off anyway).
         block_n = 32
@@ -105,14 +98,11 @@ class MLADecodeSpec(VariantSpec):
             "num_stages": stages,
             "split_factor": 2 if rows <= 32 else 1,
             "page_ahead": 0,
-            "roles": 0,
         }
 
 
 def available(variant: str, arch: str, target: str) -> bool:
     """Whether ``variant`` exists for this arch and target (portable: everywhere)."""
-    if variant == "tma":
-        return arch in TMA_ARCHS
     if variant == "wgmma":
         return arch in WGMMA_ARCHS and target == "gpu"
     return True

@@ -23,8 +23,8 @@ def verify_mla_decode(spec, device, seed: int = 0) -> Result:
     seqlens, s_q, h_q = [70, 0, 1, 130], 2, 3
     module, meta_p = load(spec), spec.default_meta(rows=s_q * h_q)
     dtype = _dtypes.TORCH[spec.dtype]
-    # Pages of 16 keys, or the smallest size above that the variant's launcher accepts (the tma
-    # variant's tiles never cross a page).
+    # Pages of 16 keys, or the smallest size above that the variant's launcher accepts (its
+    # check_cache).
     page = next(
         p
         for p in (16, math.lcm(16, meta_p["block_n"]))
