@@ -248,6 +248,8 @@ def _once(key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
 
 def _debug_once(spec, size: dict[str, int], how: str, meta: dict[str, int]) -> None:
     # One line per specialisation and bucket (or fallback) at DEBUG: which config a call used.
+    if not log.isEnabledFor(logging.DEBUG):  # (KVGEN_DISABLE_TUNED=1 calls this every call)
+        return
     _once(
         f"{spec.name} {how}",
         "kvgen: %s at %s: %s -> %s",

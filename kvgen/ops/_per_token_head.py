@@ -87,9 +87,8 @@ def _variant(cls, fmt, head_size, head_size_v, dtype, device):
     return spec, load(spec).launch
 
 
-def _launch(cls, fmt, key, value, caches, slots) -> None:
+def _launch(cls, fmt, key, value, caches, slots, device) -> None:
     """Launch the store of ``cls`` once every argument has been checked."""
-    device = _device(key, value, caches, slots)
     if key.shape[0] == 0:
         return
     spec, launch = _variant(cls, fmt, key.shape[2], value.shape[2], key.dtype, device)
@@ -110,7 +109,7 @@ def _device(key, value, caches, slots):
 
 
 def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    """Every check of the int8 / fp8 store: (format, checked caches), or an error."""
+    """Every check of the int8 / fp8 store: (format, checked caches, device), or an error."""
     key, value, slots = _check_kv(key, value, slot_mapping)
     _, num_heads, head_size = key.shape
     head_size_v = value.shape[2]
@@ -131,8 +130,7 @@ def _check_quant(key, value, key_cache, value_cache, k_scale_cache, v_scale_cach
     ks = _check_scales("k_scale_cache", k_scale_cache, kc, num_heads, None, torch.float32)
     vs = _check_scales("v_scale_cache", v_scale_cache, kc, num_heads, None, torch.float32)
     caches = (kc, vc, ks, vs)
-    _device(key, value, caches, slots)
-    return fmt, caches
+    return fmt, caches, _device(key, value, caches, slots)
 
 
 _STORE_SCHEMA = (
@@ -143,11 +141,12 @@ _STORE_SCHEMA = (
 
 def _define_store(name: str, check_args, cls):
     """The operator ``kvgen::<name>``: ``check_args`` returns (the spec's first field, the
-    checked caches) or raises; the real implementation then launches ``cls``'s kernel."""
+    checked caches, their device) or raises; the real implementation then launches ``cls``'s
+    kernel."""
 
     def run(checked, key, value, *rest):
-        first, caches = checked
-        _launch(cls, first, key, value, caches, rest[-1])
+        first, caches, device = checked
+        _launch(cls, first, key, value, caches, rest[-1], device)
 
     return define(name + _STORE_SCHEMA, check_args, run, nothing)
 
@@ -197,7 +196,8 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
 
 
 def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
-    """Every check of the int4 store: (channels per scale, checked caches), or an error."""
+    """Every check of the int4 store: (channels per scale, checked caches, device), or an
+    error."""
     key, value, slots = _check_kv(key, value, slot_mapping)
     _, num_heads, head_size = key.shape
     head_size_v = value.shape[2]
@@ -226,8 +226,7 @@ def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache
         "v_scale_cache", v_scale_cache, kc, num_heads, cdiv(head_size_v, channels), torch.float16
     )
     caches = (kc, vc, ks, vs)
-    _device(key, value, caches, slots)
-    return channels, caches
+    return channels, caches, _device(key, value, caches, slots)
 
 
 _int4_op = _define_store(

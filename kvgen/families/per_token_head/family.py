@@ -19,23 +19,25 @@ BENCH_SHAPES = ((8, 128), (1, 576))
 
 
 class _StoreKVFamily(Family):
+    # the spec's first field: every value the listing covers, and those tuned by default
+    firsts: tuple
+    tuned_firsts: tuple
+
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
-        firsts = FORMATS if self.spec_class is StoreKVPerTokenHeadSpec else INT4_CHANNELS
         return [
             self.spec_class(first, d, dv, dt, arch, target)
             for d, dv in HEAD_SIZES
             for dt in FLOAT_DTYPES
-            for first in firsts
+            for first in self.firsts
         ]
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
         # bf16 input at the bench's shapes (int4 with vLLM's 32 channels a scale); 576 / 576 is
         # not in the listing (its 576 pairs with 512) and is named here
-        firsts = FORMATS if self.spec_class is StoreKVPerTokenHeadSpec else (32,)
         return [
             self.spec_class(first, d, d, "bf16", arch, "gpu")
             for _, d in BENCH_SHAPES
-            for first in firsts
+            for first in self.tuned_firsts
         ]
 
     def bucket_applies(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
@@ -71,6 +73,7 @@ class StoreKVPerTokenHead(_StoreKVFamily):
     fp32 scale per (token, head)."""
 
     spec_class = StoreKVPerTokenHeadSpec
+    firsts = tuned_firsts = FORMATS
     bench_ops = FORMATS
     bench_default = ("int8", "fp8e4m3")
 
@@ -87,6 +90,7 @@ class StoreKVInt4PerTokenHead(_StoreKVFamily):
     Gaussian-friendly levels with fp16 group scales."""
 
     spec_class = StoreKVInt4Spec
+    firsts, tuned_firsts = INT4_CHANNELS, (32,)  # vLLM's 32 channels a scale
     bench_ops = ("int4",)
 
     @property
