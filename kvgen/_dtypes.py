@@ -3,14 +3,13 @@ dtypes, and the source names the templates write (``torch.bfloat16``, ``gl.bfloa
 
 import torch
 
+from kvgen import formats
+
 # the input / output float dtypes of the kernels, by the short name variant names use
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # cache code dtypes, by the format name variant names use (int4 codes are packed into uint8)
 CACHE = {
-    "int8": torch.int8,
-    "fp8e4m3": torch.float8_e4m3fn,
-    "fp8e5m2": torch.float8_e5m2,
-    "int4": torch.uint8,
+    f.name: f.code_dtype for f in (formats.INT8, formats.FP8_E4M3, formats.FP8_E5M2, formats.INT4)
 }
 # short name of every dtype kvgen handles (variant names, error messages)
 NAME = {

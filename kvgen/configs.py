@@ -115,6 +115,28 @@ def read(path: Path, arch: str | None = None) -> tuple[dict | None, list[str]]:
     return doc, validate(doc, arch, path.stem)
 
 
+def summary(arch: str, spec_class_of) -> tuple[list[dict], list[str]]:
+    """``kvgen show``'s documents: per valid tuned-config file of ``arch`` its path, family,
+    environment, provenance and ``rows`` (``spec_class_of(family)`` gives the spec class
+    ``rows`` needs); and what is wrong with each invalid file."""
+    docs, invalid = [], []
+    for path in files(arch):
+        doc, errors = read(path, arch)
+        if errors:
+            invalid.append(f"{path}: invalid ({'; '.join(errors[:3])})")
+            continue
+        docs.append(
+            {
+                "file": str(path),
+                "family": doc["family"],
+                "env": doc["env"],
+                "provenance": doc["provenance"],
+                "rows": rows(doc, spec_class_of(doc["family"])),
+            }
+        )
+    return docs, invalid
+
+
 def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
     """A valid document's entries as rows (variant, bucket, meta, times, speed-up), with
     ``used``: whether the op takes this variant at this bucket. Where the family's op chooses

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from kvgen.codegen.spec import VariantSpec
-from kvgen.formats import mxfp4
+from kvgen.formats import FORMATS
 
 GUARD_BYTES = 4096
 POISON = 0xFF
@@ -111,41 +111,41 @@ def verify(spec: VariantSpec, device) -> Result:
         return Result(spec.name, False, -1, math.inf, f"{type(exc).__name__}: {exc}")
 
 
+def report(results: list[Result], arch: str, target: str) -> dict:
+    """``kvgen verify --json``'s document."""
+    failed = sum(not r.passed for r in results)
+    return {
+        "arch": arch,
+        "target": target,
+        "passed": len(results) - failed,
+        "failed": failed,
+        "results": [dataclasses.asdict(r) for r in results],
+    }
+
+
 def accuracy_table(rows: int = 2048, width: int = 512, seed: int = 0) -> list[dict]:
     """SNR (dB) and max error of quantize -> dequantize for every format, on three data sets.
 
     Runs the pure-torch references, which every kernel matches byte for byte (the tests show
     it). "max err / amax" is the largest |x - x_hat| over the absolute maximum of its row.
     """
-    from kvgen.formats import per_token_head as pth
-
     gen = torch.Generator().manual_seed(seed)
     gauss = torch.randn(rows, width, generator=gen)
-    t3 = torch.distributions.StudentT(3.0).sample((rows, width))
+    # Student's t with 3 degrees of freedom, z / sqrt(chi2_3 / 3), drawn from the seeded generator
+    chi2 = (torch.randn(3, rows, width, generator=gen) ** 2).sum(0)
+    t3 = torch.randn(rows, width, generator=gen) / (chi2 / 3).sqrt()
     outliers = torch.randn(rows, width, generator=gen)
     cols = torch.randint(0, width, (rows, 4), generator=gen)
     outliers.scatter_(1, cols, outliers.gather(1, cols).sign() * 50.0)
     datasets = {"gaussian": gauss, "student-t(3)": t3, "50x outlier channels": outliers}
 
-    formats = {}
-    for dtype, name in (
-        (torch.int8, "int8"),
-        (torch.float8_e4m3fn, "fp8 e4m3"),
-        (torch.float8_e5m2, "fp8 e5m2"),
-    ):
-        formats[f"{name} per token-head"] = lambda x, d=dtype: pth.dequantize_per_token_head(
-            *pth.quantize_per_token_head(x, d)
-        )
-    for c in pth.INT4_CHANNELS:
-        formats[f"int4 levels, {c} ch/scale"] = lambda x, c=c: pth.dequantize_int4(
-            *pth.quantize_int4(x, c), x.shape[-1]
-        )
-    for g in (16, 32, 64):
-        formats[f"mxfp4, group {g}"] = lambda x, g=g: mxfp4.dequantize_rows(
-            mxfp4.quantize_rows(x, g), x.shape[-1], g
-        )
+    roundtrips = {
+        label: (lambda x, f=fmt, g=group: f.roundtrip(x, g))
+        for fmt in FORMATS.values()
+        for label, group in fmt.accuracy_entries()
+    }
     table = []
-    for fmt, roundtrip in formats.items():
+    for fmt, roundtrip in roundtrips.items():
         for data_name, x in datasets.items():
             xh = roundtrip(x)
             err = x - xh

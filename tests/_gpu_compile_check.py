@@ -47,7 +47,7 @@ for spec in (
     StoreMXFP4MLASpec(32, 512, "bf16", "paged"),
     StoreMXFP4MLASpec(64, 448, "fp32", "flat"),
 ):
-    words = "*i64" if spec.in_dtype == "fp32" else "*i32"
+    words = "*i64" if spec.dtype == "fp32" else "*i32"
     for rows, warps in ((1, 4), (4, 2)):
         compile_fn(
             spec.name,

@@ -24,7 +24,7 @@ from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec
         {"latent": 100},
         {"latent": 512.0},
         {"latent": 480, "group": 64},  # group does not divide latent
-        {"in_dtype": "fp64"},
+        {"dtype": "fp64"},
         {"layout": "hnd"},
         {"arch": "sm75"},
         {"target": "cpu"},
@@ -38,7 +38,7 @@ def test_spec_rejects_unknown_values(kwargs):
 
 
 def test_spec_is_frozen_and_named_from_every_field():
-    spec = StoreMXFP4MLASpec(group=64, latent=448, in_dtype="fp32", layout="flat")
+    spec = StoreMXFP4MLASpec(group=64, latent=448, dtype="fp32", layout="flat")
     assert spec.name == "store_mxfp4_mla-g64-l448-fp32-flat-sm90-gpu"
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.group = 32  # type: ignore[misc]

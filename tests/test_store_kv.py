@@ -292,7 +292,7 @@ def test_int4_inputs_next_to_every_level_boundary(dt, device):
     and two ulps either side, both signs, -0 and 0, with groups of random scales (some below
     the 1e-6 floor). The kernels compare |x| with per-group thresholds, the reference divides:
     the codes must agree everywhere."""
-    from kvgen.families.per_token_head import int4_midpoints
+    from kvgen.formats._format import int4_midpoints
 
     spec = StoreKVInt4Spec(32, 128, 128, dt, ARCH, TARGET)
     dtype = DTYPES[dt]

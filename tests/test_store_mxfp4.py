@@ -30,7 +30,7 @@ def _assert_guards_untouched(cache):
 def test_store_variant_is_byte_exact(spec, device):
     tokens = 40
     pitch = mxfp4.row_bytes(spec.latent, spec.group)
-    x = edge_case_latents(tokens, spec.latent, spec.group, DTYPES[spec.in_dtype], seed=3)
+    x = edge_case_latents(tokens, spec.latent, spec.group, DTYPES[spec.dtype], seed=3)
     cache = make_cache(spec.layout, 2 * tokens + 7, pitch, device, block_size=16, gap_rows=5)
     num_slots = cache.view.shape[0] * (cache.view.shape[1] if spec.layout == "paged" else 1)
     slots = make_slots(tokens, num_slots, device, seed=3)
@@ -56,13 +56,11 @@ def test_gather_variant_matches_reference(spec, device):
     mxfp4.store(x, slots, cache.view, spec.group)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        want = mxfp4.gather(cache.view, slots, spec.latent, spec.group).to(DTYPES[spec.out_dtype])
+        want = mxfp4.gather(cache.view, slots, spec.latent, spec.group).to(DTYPES[spec.dtype])
 
     backing = cache.backing.to(device)
     view = backing.as_strided(cache.view.shape, cache.view.stride(), cache.view.storage_offset())
-    out = torch.full(
-        (tokens, spec.latent), float("nan"), dtype=DTYPES[spec.out_dtype], device=device
-    )
+    out = torch.full((tokens, spec.latent), float("nan"), dtype=DTYPES[spec.dtype], device=device)
     module = load(spec)
     args = [view, slots.to(device), out, num_slots]
     if spec.layout == "paged":
@@ -74,9 +72,7 @@ def test_gather_variant_matches_reference(spec, device):
     assert torch.equal(got, want), f"{int((got != want).sum())} elements differ"
     assert torch.equal(backing.cpu(), cache.backing), "the reader wrote into the cache"
     # The public entry point gives the same values.
-    public = gather_mxfp4_mla(
-        view, slots.to(device), spec.latent, spec.group, DTYPES[spec.out_dtype]
-    )
+    public = gather_mxfp4_mla(view, slots.to(device), spec.latent, spec.group, DTYPES[spec.dtype])
     assert torch.equal(public.cpu(), got)
 
 

@@ -341,13 +341,11 @@ def test_constraint_language_is_closed():
 
 
 def test_show_and_tune_commands(override):
-    from rich.console import Console
     from typer.testing import CliRunner
 
     import kvgen.cli
 
     _config(override)
-    kvgen.cli.console = Console(width=250)
     runner = CliRunner()
     result = runner.invoke(kvgen.cli.app, ["show", "sm90"])
     assert result.exit_code == 0, result.output
@@ -402,7 +400,7 @@ def test_tuning_problems_check_candidates(family, device, local_target):
     spec = next(
         s
         for s in registry.variants(arch, target, family)
-        if s.fields().get("in_dtype", s.fields().get("out_dtype")) == "bf16"
+        if s.fields().get("in_dtype", s.fields().get("dtype")) == "bf16"
     )
     bucket = {
         "num_tokens": 16,

@@ -82,13 +82,23 @@ def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
             label=_short(variant),
         )
     ax.axhline(copy_gbps, color="black", linestyle="--", label=f"copy {copy_gbps:.0f} GB/s")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("tokens per call")
-    ax.set_ylabel("GB/s (fewest bytes moved / CUDA-graph time)")
-    ax.set_title("stores and readers against the same run's copy bandwidth")
+    _finish(
+        ax,
+        ("tokens per call", "GB/s (fewest bytes moved / CUDA-graph time)"),
+        "stores and readers against the same run's copy bandwidth",
+        "lower right",
+    )
+
+
+def _finish(ax, labels: tuple[str, str], title: str, legend_at: str) -> None:
+    """A panel's log2 x axis, labels, title, grid and legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc=legend_at)
     _plain_log_ticks(ax)
 
 
@@ -111,13 +121,12 @@ def _decode_panel(ax, rows: list[dict], matmul_tflops: float | None) -> None:
             linestyle="--",
             label=f"bf16 matmul {matmul_tflops:.0f} TFLOP/s",
         )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("query heads (seq_len_q 1)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title("MLA decode, batch 128, page 64, 576/512 bf16")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    _plain_log_ticks(ax)
+    _finish(
+        ax,
+        ("query heads (seq_len_q 1)", "TFLOP/s"),
+        "MLA decode, batch 128, page 64, 576/512 bf16",
+        "upper left",
+    )
 
 
 def show_plot(arch: str, docs: list[dict], path: Path) -> Path:

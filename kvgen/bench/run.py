@@ -5,8 +5,10 @@ variant, length mix and head count. The CLI prints and plots it; ``--json`` writ
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgen import registry
@@ -106,6 +108,23 @@ def measure(
         "results": [asdict(r) for r in sections["results"]],
         "decode": [asdict(r) for r in sections["decode"]],
     }
+
+
+def parse_ops(text: str | None) -> list[str]:
+    """The op labels of a comma-separated list (None: ``default_ops()``); a ValueError names
+    unknown ones."""
+    if text is None:
+        return default_ops()
+    wanted = [o.strip() for o in text.split(",") if o.strip()]
+    unknown = sorted(set(wanted) - set(ops()))
+    if unknown:
+        raise ValueError(f"unknown ops {', '.join(unknown)}; known: {', '.join(ops())}")
+    return wanted
+
+
+def write_json(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def all_correct(doc: dict) -> bool:

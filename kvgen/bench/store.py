@@ -47,13 +47,13 @@ class Case:
 
 def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
     from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
-    from kvgen.formats import mxfp4
+    from kvgen.formats import MXFP4, mxfp4
     from kvgen.ops import store_mxfp4_mla
     from kvgen.runtime import target_of
 
     arch, target = target_of(torch.device(device))
     name = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dtype], "paged", arch, target).name
-    pitch = mxfp4.row_bytes(latent, group)
+    pitch = MXFP4.row_bytes(latent, group)
     for t in tokens:
         blocks = cdiv(t, BLOCK_SIZE) + 1
         in_bytes = t * latent * dtype.itemsize + t * 8
@@ -93,13 +93,13 @@ def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.
     """The reader: ``gather_mxfp4_mla`` of ``t`` random slots of a filled cache (bytes: slots
     and the rows read, the dequantized rows written)."""
     from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec
-    from kvgen.formats import mxfp4
+    from kvgen.formats import MXFP4, mxfp4
     from kvgen.ops import gather_mxfp4_mla
     from kvgen.runtime import target_of
 
     arch, target = target_of(torch.device(device))
     name = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dtype], "paged", arch, target).name
-    pitch = mxfp4.row_bytes(latent, group)
+    pitch = MXFP4.row_bytes(latent, group)
     for t in tokens:
         blocks = cdiv(t, BLOCK_SIZE) + 1
         in_bytes = t * 8 + t * pitch
@@ -168,7 +168,6 @@ KV_BLOCK_SIZE = 16
 
 def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=torch.bfloat16):
     """The per-token-head stores: ``fmt`` int8, fp8e4m3, fp8e5m2 or int4 (32 channels/scale)."""
-    from kvgen.formats import per_token_head as ref
     from kvgen.ops import (
         triton_reshape_and_cache_flash_int4_per_token_head as store_int4,
     )
@@ -210,18 +209,27 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
         def step(i, sets=sets, op=op):
             op(*sets[i])
 
-        def check(sets=sets, op=op, t=t):
-            k, v, kc, vc, ks, vs, slots = sets[0]
-            n = min(t, 4096)  # the reference runs on the CPU: check a prefix of the tokens
-            k, v, slots = torch.randn_like(k[:n]), torch.randn_like(v[:n]), slots[:n]
-            op(k, v, kc, vc, ks, vs, slots)
-            want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
-            ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
-            got = [x.cpu() for x in (kc, vc, ks, vs)]
-            return all(
-                torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-                for g, w in zip(got, want, strict=True)
-            )
+        def check(sets=sets, op=op):
+            return kv_store_matches_reference(op, sets[0])
 
         name = f"store_kv_{fmt}-h{heads}-d{head_size}-{str(dtype)[6:]}"
         yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check, sets)
+
+
+def kv_store_matches_reference(store, data: tuple) -> bool:
+    """Store fresh random K / V through ``store(k, v, kc, vc, ks, vs, slots)`` into the caches
+    of ``data`` (a bench set) and compare every byte of the four caches with the reference's.
+    At most 4096 tokens (a prefix of the set's): the reference runs on the CPU."""
+    from kvgen.formats import per_token_head as ref
+
+    k, v, kc, vc, ks, vs, slots = data
+    n = min(k.shape[0], 4096)
+    k, v, slots = torch.randn_like(k[:n]), torch.randn_like(v[:n]), slots[:n]
+    store(k, v, kc, vc, ks, vs, slots)
+    want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
+    ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
+    got = [x.cpu() for x in (kc, vc, ks, vs)]
+    return all(
+        torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        for g, w in zip(got, want, strict=True)
+    )

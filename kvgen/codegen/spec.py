@@ -66,10 +66,16 @@ def positive_int(limit: int) -> Callable[[Any], bool]:
 
 @dataclasses.dataclass(frozen=True)
 class VariantSpec:
-    """Base of every kernel family's spec. Subclasses set ``family`` and ``template``."""
+    """Base of every kernel family's spec. Subclasses set ``family`` and, unless it is
+    ``<family>.py.j2`` in kvgen's ``templates/``, ``template``."""
 
     family: ClassVar[str]
     template: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "family" in cls.__dict__ and not hasattr(cls, "template"):
+            cls.template = f"{cls.family}.py.j2"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -21,7 +21,8 @@ _LIB = torch.library.Library("kvgen", "DEF")
 
 
 def define(schema: str, check: Callable, run: Callable, fake: Callable) -> Callable:
-    """Declare ``kvgen::<name>`` from its schema; returns the op's default overload.
+    """Declare ``kvgen::<name>`` from its schema; returns the op's default overload behind a
+    check of its arguments' Python types (``_typed``).
 
     ``check(*args)`` raises for bad arguments and returns what the implementations need (the
     device, the cache geometry, ...); ``run(checked, *args)`` computes on real tensors and
@@ -39,7 +40,33 @@ def define(schema: str, check: Callable, run: Callable, fake: Callable) -> Calla
     for key in ("CPU", "CUDA"):
         _LIB.impl(name, impl, key)
     torch.library.register_fake(f"kvgen::{name}", fake_impl, lib=_LIB)
-    return getattr(torch.ops.kvgen, name).default
+    return _typed(getattr(torch.ops.kvgen, name).default, schema)
+
+
+def _typed(op: torch._ops.OpOverload, schema: str) -> Callable:
+    """``op`` behind a check of its Tensor and int arguments' Python types, by the schema's
+    argument names (the operator's own parsing names neither argument nor type as clearly).
+    The checked call is what the public functions use; ``.op`` is the operator itself."""
+    tensors, ints = [], []
+    params = schema.split("(", 1)[1].rsplit(") ->", 1)[0]
+    for i, param in enumerate(params.split(",")):
+        kind, arg = param.split()[:2]
+        if kind.startswith("Tensor") and not kind.endswith("?"):
+            tensors.append((i, arg))
+        elif kind == "int":
+            ints.append((i, arg))
+
+    def call(*args):
+        for i, arg_name in tensors:
+            if not isinstance(args[i], torch.Tensor):
+                raise TypeError(f"{arg_name} must be a torch.Tensor, got {type(args[i]).__name__}")
+        for i, arg_name in ints:
+            if not isinstance(args[i], int) or isinstance(args[i], bool):
+                raise TypeError(f"{arg_name} must be an int, got {type(args[i]).__name__}")
+        return op(*args)
+
+    call.op = op
+    return call
 
 
 def nothing(checked, *args) -> None:

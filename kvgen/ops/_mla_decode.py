@@ -140,15 +140,6 @@ def flash_mla_with_kvcache(
 
     The op is ``torch.ops.kvgen.flash_mla_with_kvcache``.
     """
-    check.tensors(
-        q=q,
-        k_cache=k_cache,
-        block_table=block_table,
-        cache_seqlens=cache_seqlens,
-        tile_scheduler_metadata=tile_scheduler_metadata,
-        num_splits=num_splits,
-    )
-    check.int_arg("head_dim_v", head_dim_v)
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     return _decode_op(

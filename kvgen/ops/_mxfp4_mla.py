@@ -8,16 +8,12 @@ import torch
 
 from kvgen import _dtypes, runtime
 from kvgen.codegen import load
-from kvgen.families.mxfp4_mla import (
-    GROUPS,
-    GatherMXFP4MLASpec,
-    StoreMXFP4MLASpec,
-    row_bytes,
-)
+from kvgen.families.mxfp4_mla import GROUPS, GatherMXFP4MLASpec, StoreMXFP4MLASpec
+from kvgen.formats import MXFP4
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define, nothing
 
-GROUP_SIZE = 32
+GROUP_SIZE = MXFP4.default_group
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -25,7 +21,7 @@ def mxfp4_row_bytes(latent: int, group: int = GROUP_SIZE) -> int:
     """Bytes of one MXFP4 cache row: ``latent / 2`` packed elements + ``latent / group`` scales."""
     check.int_arg("latent", latent)
     _check_group(latent, group)
-    return row_bytes(latent, group)
+    return MXFP4.row_bytes(latent, group)
 
 
 def _check_group(latent: int, group: int) -> None:
@@ -106,7 +102,7 @@ def _check_store(x, slots, cache, group):
     _slots("slot_mapping", slots, num_tokens)
     _check_group(latent, group)
     device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
-    return device, _cache_geometry(cache, row_bytes(latent, group))
+    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group))
 
 
 def _run_store(checked, x, slots, cache, group):
@@ -152,8 +148,6 @@ def store_mxfp4_mla(
     ``ValueError`` naming it. The op is ``torch.ops.kvgen.store_mxfp4_mla`` (``cache``
     mutated).
     """
-    check.tensors(kv_c_normed=kv_c_normed, slot_mapping=slot_mapping, cache=cache)
-    check.int_arg("group", group)
     _store_op(kv_c_normed, slot_mapping, cache, group)
 
 
@@ -163,7 +157,7 @@ def _check_gather(cache, slots, latent, group, out_dtype):
     if out_dtype not in _FLOATS:
         raise TypeError(f"out_dtype must be one of {_FLOATS}, got {out_dtype}")
     device = check.same_device(cache=cache, slots=slots)
-    return device, _cache_geometry(cache, row_bytes(latent, group))
+    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group))
 
 
 def _run_gather(checked, cache, slots, latent, group, out_dtype):
@@ -206,9 +200,6 @@ def gather_mxfp4_mla(
     negative or past the end of the cache is all zeros. ``cache`` takes the layouts
     :func:`store_mxfp4_mla` takes. The op is ``torch.ops.kvgen.gather_mxfp4_mla``.
     """
-    check.tensors(cache=cache, slots=slots)
-    check.int_arg("latent", latent)
-    check.int_arg("group", group)
     if not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
     return _gather_op(cache, slots, latent, group, out_dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -151,19 +152,23 @@ def _define_store(name: str, check_args, cls):
     return define(name + _STORE_SCHEMA, check_args, run, nothing)
 
 
-def _store(op, *args) -> None:
-    """Call a store operator on (key, value, the four caches, slot_mapping)."""
-    names = (
-        "key",
-        "value",
-        "key_cache",
-        "value_cache",
-        "k_scale_cache",
-        "v_scale_cache",
-        "slot_mapping",
-    )
-    check.tensors(**dict(zip(names, args, strict=True)))
-    op(*args)
+def _public_store(op: Callable, name: str, doc: str) -> Callable:
+    """The seed op ``name``: vLLM's argument list, calling the store operator ``op``."""
+
+    def store(
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        k_scale_cache: torch.Tensor,
+        v_scale_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        op(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+
+    store.__name__ = store.__qualname__ = name
+    store.__doc__ = doc
+    return store
 
 
 _quant_op = _define_store(
@@ -171,15 +176,9 @@ _quant_op = _define_store(
 )
 
 
-def triton_reshape_and_cache_flash_per_token_head_quant(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k_scale_cache: torch.Tensor,
-    v_scale_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+triton_reshape_and_cache_flash_per_token_head_quant = _public_store(
+    _quant_op,
+    "triton_reshape_and_cache_flash_per_token_head_quant",
     """Quantize key/value per (token, head) and write them into the paged caches.
 
     One scale ``max(amax / QMAX, 1e-6)`` per (token, head), stored as fp32 in
@@ -189,10 +188,8 @@ def triton_reshape_and_cache_flash_per_token_head_quant(
     unit last stride (HND memory passes as ``cache.permute(0, 2, 1, 3)``); negative slots are
     skipped. The op is ``torch.ops.kvgen.reshape_and_cache_flash_per_token_head_quant`` (the
     four caches mutated).
-    """
-    _store(
-        _quant_op, key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping
-    )
+    """,
+)
 
 
 def _check_int4(key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping):
@@ -234,15 +231,9 @@ _int4_op = _define_store(
 )
 
 
-def triton_reshape_and_cache_flash_int4_per_token_head(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    k_scale_cache: torch.Tensor,
-    v_scale_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+triton_reshape_and_cache_flash_int4_per_token_head = _public_store(
+    _int4_op,
+    "triton_reshape_and_cache_flash_int4_per_token_head",
     """Quantize key/value to packed int4 with Gaussian-friendly levels.
 
     Caches are uint8 ``[num_blocks, block_size, num_kv_heads, ceil(head_size / 2)]`` (channel
@@ -250,8 +241,8 @@ def triton_reshape_and_cache_flash_int4_per_token_head(
     ceil(head_size / C)]``, one per group of C channels, C in 16, 32, 64, 128 chosen by that
     last dimension (32 is vLLM's default). The op is
     ``torch.ops.kvgen.reshape_and_cache_flash_int4_per_token_head`` (the four caches mutated).
-    """
-    _store(_int4_op, key, value, key_cache, value_cache, k_scale_cache, v_scale_cache, slot_mapping)
+    """,
+)
 
 
 @cache
@@ -343,13 +334,6 @@ def gather_kv_per_token_head(
     ``head_size`` / ``head_size_v`` when they are odd (the default is twice the packed width).
     The op is ``torch.ops.kvgen.gather_kv_per_token_head``.
     """
-    check.tensors(
-        key_cache=key_cache,
-        value_cache=value_cache,
-        k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache,
-        slots=slots,
-    )
     for name, hs in (("head_size", head_size), ("head_size_v", head_size_v)):
         if hs is not None:
             check.int_arg(name, hs)

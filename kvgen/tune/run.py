@@ -48,6 +48,30 @@ def describe(r: tuner.StudyResult, label: str) -> str:
     )
 
 
+def start(
+    names: list[str] | None,
+    opts: Options,
+    gpus: int = 0,
+    log: Callable[[str], None] = print,
+    **filters,
+) -> list[Path]:
+    """``kvgen tune``: plan the studies of ``names`` (default: every family's default
+    variants; ``filters``: ``plan``'s families, num_tokens, num_heads) and run them on
+    ``gpus`` GPUs (0: every visible one). A ValueError says what is
+    wrong with the request (unknown names, more GPUs than visible) before anything runs."""
+    from kvgen.bench import harness
+    from kvgen.tune.plan import plan
+
+    try:
+        studies = plan(names, opts.arch, **filters)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    devices = parallel.visible_devices()
+    if gpus > len(devices):
+        raise ValueError(f"--gpus {gpus}, but {len(devices)} GPU(s) are visible")
+    return run(studies, devices[: gpus or len(devices)], opts, harness.environment(), log=log)
+
+
 def run(
     studies: list[Study],
     devices: list[str],

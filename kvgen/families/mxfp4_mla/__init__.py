@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from kvgen import _dtypes
+from kvgen import _dtypes, formats
 from kvgen._math import next_pow2
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
-from kvgen.formats.mxfp4 import row_bytes
 
-GROUPS = (16, 32, 64)
+GROUPS = formats.MXFP4.groups
 # The latent widths every variant list covers; any multiple of the group up to 16384 can be
 # generated on demand. 448 is there because it is not a power of two.
 LATENTS = (256, 448, 512, 1024)
@@ -24,8 +23,17 @@ def _latent_ok(v: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _MXFP4Spec(VariantSpec):
-    group: int = axis("g", choices=GROUPS, default=32)
+    """The MXFP4 specs' axes; ``dtype`` is the store's input and the reader's output dtype,
+    which the templates call by that role (``DTYPE_ROLE``: ``in_dtype`` / ``out_dtype``)."""
+
+    DTYPE_ROLE: ClassVar[str]
+
+    group: int = axis("g", choices=GROUPS, default=formats.MXFP4.default_group)
     latent: int = axis("l", check=_latent_ok, doc="a multiple of 16 from 16 to 16384", default=512)
+    dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
+    layout: str = axis("", choices=LAYOUTS, default="paged")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
 
     def check_combination(self) -> None:
         if self.latent % self.group:
@@ -37,26 +45,21 @@ class _MXFP4Spec(VariantSpec):
         num_groups = self.latent // self.group
         num_groups_pad = next_pow2(num_groups)
         return {
+            self.DTYPE_ROLE: self.dtype,
+            "torch_dtype": _dtypes.SOURCE[self.dtype],
             "num_groups": num_groups,
             "num_groups_pad": num_groups_pad,
             "half": self.latent // 2,
             "half_pad": num_groups_pad * self.group // 2,
-            "row_bytes": row_bytes(self.latent, self.group),
+            "row_bytes": formats.MXFP4.row_bytes(self.latent, self.group),
+            "format_macros": formats.MXFP4.macros,
         }
 
 
 @dataclasses.dataclass(frozen=True)
 class StoreMXFP4MLASpec(_MXFP4Spec):
     family: ClassVar[str] = "store_mxfp4_mla"
-    template: ClassVar[str] = "store_mxfp4_mla.py.j2"
-
-    in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
-    layout: str = axis("", choices=LAYOUTS, default="paged")
-    arch: str = axis("", choices=ARCHS, default="sm90")
-    target: str = axis("", choices=TARGETS, default="gpu")
-
-    def derived(self) -> dict[str, Any]:
-        return super().derived() | {"torch_dtype": _dtypes.SOURCE[self.in_dtype]}
+    DTYPE_ROLE: ClassVar[str] = "in_dtype"
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         # Measured on an H200 (benchmarks/results): few tokens want the shortest path per row
@@ -64,22 +67,14 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
         # the kernel is bound by integer ALU work there. The tuner refines this per arch.
         if num_tokens <= 64:
             return {"rows_per_program": 1, "num_warps": 4, "num_stages": 1}
-        rows = 2 if self.in_dtype == "fp32" else 4
+        rows = 2 if self.dtype == "fp32" else 4
         return {"rows_per_program": rows, "num_warps": 2, "num_stages": 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class GatherMXFP4MLASpec(_MXFP4Spec):
     family: ClassVar[str] = "gather_mxfp4_mla"
-    template: ClassVar[str] = "gather_mxfp4_mla.py.j2"
-
-    out_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
-    layout: str = axis("", choices=LAYOUTS, default="paged")
-    arch: str = axis("", choices=ARCHS, default="sm90")
-    target: str = axis("", choices=TARGETS, default="gpu")
-
-    def derived(self) -> dict[str, Any]:
-        return super().derived() | {"torch_dtype": _dtypes.SOURCE[self.out_dtype]}
+    DTYPE_ROLE: ClassVar[str] = "out_dtype"
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         rows = max(1, min(16, next_pow2(max(1, 4096 // self.latent))))

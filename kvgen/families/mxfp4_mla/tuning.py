@@ -9,57 +9,62 @@ from kvgen import _dtypes
 from kvgen.codegen import load
 
 
+def _paged(tensors: tuple, cache: torch.Tensor) -> tuple:
+    """A launch's arguments: the tensors, then the paged cache's geometry (slots, block size,
+    block stride)."""
+    from kvgen.bench.store import BLOCK_SIZE
+
+    return (*tensors, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0))
+
+
+def _runner(launch, args: list[tuple]):
+    def run(i, meta):
+        launch(*args[i], **meta)
+
+    return run
+
+
 def store_problem(spec, bucket, device):
-    from kvgen.bench.store import BLOCK_SIZE, mxfp4_cases
+    from kvgen.bench.store import mxfp4_cases
     from kvgen.formats import mxfp4
 
-    case = next(
-        mxfp4_cases(
-            device, (bucket["num_tokens"],), spec.latent, spec.group, _dtypes.TORCH[spec.in_dtype]
-        )
-    )
-    sets = case.data  # the bench's rotated (latents, slots, cache) sets
+    dtype = _dtypes.TORCH[spec.dtype]
+    case = next(mxfp4_cases(device, (bucket["num_tokens"],), spec.latent, spec.group, dtype))
     launch = load(spec).launch
-
-    def run(i, meta):
-        x, slots, cache = sets[i]
-        launch(x, slots, cache, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
+    # the bench's rotated (latents, slots, cache) sets
+    args = [_paged((x, slots, cache), cache) for x, slots, cache in case.data]
 
     def check(meta):
-        x, slots, cache = sets[0]
+        x, slots, cache = case.data[0]
         x = torch.randn_like(x)
         cache.fill_(0xFF)
-        launch(x, slots, cache, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
+        launch(*_paged((x, slots, cache), cache), **meta)
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
         mxfp4.store(x.cpu(), slots.cpu(), want, spec.group)
         return torch.equal(cache.cpu(), want)
 
-    return run, check, case.n_sets
+    return _runner(launch, args), check, case.n_sets
 
 
 def gather_problem(spec, bucket, device):
-    from kvgen.bench.store import BLOCK_SIZE, mxfp4_gather_cases
+    from kvgen.bench.store import mxfp4_gather_cases
     from kvgen.formats import mxfp4
 
     t = bucket["num_tokens"]
-    dtype = _dtypes.TORCH[spec.out_dtype]
+    dtype = _dtypes.TORCH[spec.dtype]
     case = next(mxfp4_gather_cases(device, (t,), spec.latent, spec.group, dtype))
     # the bench's rotated (filled cache, slots) sets, each with an output buffer
-    sets = [
-        (cache, slots, torch.empty(t, spec.latent, dtype=dtype, device=device))
+    args = [
+        _paged((cache, slots, torch.empty(t, spec.latent, dtype=dtype, device=device)), cache)
         for cache, slots in case.data
     ]
     launch = load(spec).launch
 
-    def run(i, meta):
-        cache, slots, out = sets[i]
-        launch(cache, slots, out, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
-
     def check(meta):
-        cache, slots, out = sets[0]
+        cache, slots, out = args[0][:3]
         out.fill_(float("nan"))
-        launch(cache, slots, out, cache.shape[0] * BLOCK_SIZE, BLOCK_SIZE, cache.stride(0), **meta)
+        launch(*args[0], **meta)
         want = mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype)
         return torch.equal(out.cpu(), want)
 
-    return run, check, case.n_sets
+    return _runner(launch, args), check, case.n_sets

@@ -9,7 +9,7 @@ import torch
 
 from kvgen import _dtypes
 from kvgen.codegen.spec import VariantSpec
-from kvgen.formats import mxfp4
+from kvgen.formats import MXFP4, mxfp4
 from kvgen.verify import GuardedCache, Result, make_cache, make_slots, num_slots_of
 
 
@@ -62,8 +62,8 @@ def edge_case_latents(
 def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
     from kvgen.ops import store_mxfp4_mla
 
-    pitch = mxfp4.row_bytes(spec.latent, spec.group)
-    x = edge_case_latents(tokens, spec.latent, spec.group, _dtypes.TORCH[spec.in_dtype], seed)
+    pitch = MXFP4.row_bytes(spec.latent, spec.group)
+    x = edge_case_latents(tokens, spec.latent, spec.group, _dtypes.TORCH[spec.dtype], seed)
     x = x.to(device)
     num_slots = tokens * 2 + 5
     cache = make_cache(spec.layout, num_slots, pitch, device)
@@ -84,7 +84,7 @@ def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 
 def verify_gather_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
     from kvgen.ops import gather_mxfp4_mla
 
-    pitch = mxfp4.row_bytes(spec.latent, spec.group)
+    pitch = MXFP4.row_bytes(spec.latent, spec.group)
     x = edge_case_latents(tokens, spec.latent, spec.group, torch.float32, seed)
     num_slots = tokens * 2 + 5
     cache = make_cache(spec.layout, num_slots, pitch, "cpu")
@@ -96,7 +96,7 @@ def verify_gather_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int =
     view = dev_cache.backing.as_strided(
         cache.view.shape, cache.view.stride(), cache.view.storage_offset()
     )
-    out_dtype = _dtypes.TORCH[spec.out_dtype]
+    out_dtype = _dtypes.TORCH[spec.dtype]
     got = gather_mxfp4_mla(view, slots.to(device), spec.latent, spec.group, out_dtype).cpu()
     want = want.to(out_dtype)
     same = (got == want) | (got.isnan() & want.isnan())

@@ -4,14 +4,14 @@ Gaussian-friendly levels (one fp16 scale per group of channels)."""
 from __future__ import annotations
 
 import dataclasses
-import struct
 from typing import Any, ClassVar
 
-from kvgen import _dtypes
+from kvgen import _dtypes, formats
 from kvgen._math import cdiv, next_pow2
 from kvgen.codegen.spec import ARCHS, TARGETS, VariantSpec, axis
 from kvgen.families.mxfp4_mla import FLOAT_DTYPES
-from kvgen.formats.per_token_head import INT4_BOUNDARIES, INT4_CHANNELS
+
+INT4_CHANNELS = formats.INT4.groups
 
 # Archs whose PTX has packed bf16x2 compares and adds (set / add .bf16x2: sm_90 and up).
 PACKED_COMPARE_ARCHS = ("sm90", "sm100")
@@ -41,36 +41,10 @@ def _packed_half(in_dtype: str) -> dict[str, str]:
     return {**PACKED_HALF[in_dtype], "h2_pack_bits": f"0x{-(bias >> 12) & 0xFFFFFFFF:08X}"}
 
 
-def int4_midpoint_parts() -> list[tuple[int, float, float]]:
-    """Per level boundary: the fp32 boundary B_i (its bits and value) and h_i, half its ulp (a
-    power of two). M_i = B_i + h_i is the midpoint between B_i and the next fp32 value up:
-    RN_fp32(z) > B_i exactly when z > M_i (a tie rounds to B_i's neighbour of even mantissa, but
-    never occurs; see the template)."""
-    out = []
-    for b in INT4_BOUNDARIES:
-        bits = struct.unpack("<I", struct.pack("<f", b))[0]
-        lo = struct.unpack("<f", struct.pack("<I", bits))[0]
-        hi = struct.unpack("<f", struct.pack("<I", bits + 1))[0]
-        out.append((bits, lo, (hi - lo) / 2))
-    return out
-
-
-def int4_midpoints() -> list[float]:
-    """M_i = B_i + h_i, exactly (as Python floats: 25 significant bits fit)."""
-    return [b + h for _, b, h in int4_midpoint_parts()]
-
-
-FORMATS = ("int8", "fp8e4m3", "fp8e5m2")
+# the formats of the int8 / fp8 store (kvgen.formats), one fp32 scale per (token, head)
+FORMATS = (formats.INT8.name, formats.FP8_E4M3.name, formats.FP8_E5M2.name)
 # (head_size, head_size_v) pairs every variant list covers; other sizes generate on demand.
 HEAD_SIZES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256), (576, 512))
-
-# cache dtype per format: torch name, triton name, QMAX, mantissa bits, exponent bias,
-# bits of the smallest normal
-_FMT = {
-    "int8": ("int8", "int8", 127.0, 0, 0, 0),
-    "fp8e4m3": ("float8_e4m3fn", "float8e4nv", 448.0, 3, 7, 0x3C800000),
-    "fp8e5m2": ("float8_e5m2", "float8e5", 57344.0, 2, 15, 0x38800000),
-}
 
 
 def pieces(width: int, most: int = 4, min_tile: int = 16) -> list[tuple[int, int, int]]:
@@ -116,6 +90,13 @@ def int4_channels_for(head_size: int, groups: int) -> int | None:
     """Channels per scale that give ``groups`` scales per head (the smallest such: when several
     do, they all make a single group, so the bytes are the same)."""
     return next((c for c in INT4_CHANNELS if cdiv(head_size, c) == groups), None)
+
+
+def spec_format(spec: VariantSpec) -> tuple[formats.KVFormat, int | None]:
+    """The format a per-token-head store spec writes, and its channels per scale."""
+    if isinstance(spec, StoreKVInt4Spec):
+        return formats.INT4, spec.channels
+    return formats.get(spec.fmt), None
 
 
 def _head_ok(v: Any) -> bool:
@@ -170,7 +151,6 @@ def _default_meta(spec, num_tokens: int, num_heads: int) -> dict[str, int]:
 @dataclasses.dataclass(frozen=True)
 class StoreKVPerTokenHeadSpec(VariantSpec):
     family: ClassVar[str] = "store_kv_per_token_head"
-    template: ClassVar[str] = "store_kv_per_token_head.py.j2"
 
     fmt: str = axis("", choices=FORMATS, default="int8")
     head_size: int = axis("d", check=_head_ok, doc="an int from 1 to 1024", default=128)
@@ -180,24 +160,12 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     def derived(self) -> dict[str, Any]:
-        torch_name, tl_name, qmax, mant, bias, min_normal = _FMT[self.fmt]
+        fmt = formats.get(self.fmt)
         k_pieces, v_pieces = equal_pieces(self.head_size), equal_pieces(self.head_size_v)
         return {
             "torch_dtype": _dtypes.SOURCE[self.in_dtype],
-            "cache_torch_dtype": torch_name,
-            "tl_cache_dtype": tl_name,
-            "qmax": repr(qmax),
-            # RN(1 / QMAX) in fp32, as a Python float literal that rounds to it exactly
-            "inv_qmax": repr(struct.unpack("f", struct.pack("f", 1.0 / qmax))[0]),
-            "min_scale": "1e-06",
-            "mant_bits": mant,
-            "exp_bias": bias,
-            "min_normal_bits": f"0x{min_normal:X}",
-            "fp8_shift": 23 - mant,
-            "fp8_round": (1 << (22 - mant)) - 1,
-            "fp8_rebias": (127 - bias) << mant,
-            "fp8_sub_scale": repr(2.0 ** (bias + mant - 1)),
-            "fp8_min_normal": repr(2.0 ** (1 - bias)),
+            "format_macros": fmt.macros,
+            **fmt.constants,
             "k_pieces": k_pieces,
             "v_pieces": v_pieces,
             "k_groups": amax_groups(k_pieces),
@@ -211,14 +179,18 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
 @dataclasses.dataclass(frozen=True)
 class StoreKVInt4Spec(VariantSpec):
     family: ClassVar[str] = "store_kv_int4_per_token_head"
-    template: ClassVar[str] = "store_kv_int4_per_token_head.py.j2"
 
-    channels: int = axis("c", choices=INT4_CHANNELS, default=32)
+    channels: int = axis("c", choices=INT4_CHANNELS, default=formats.INT4.default_group)
     head_size: int = axis("d", check=_head_ok, doc="an int from 1 to 1024", default=128)
     head_size_v: int = axis("dv", check=_head_ok, doc="an int from 1 to 1024", default=128)
     in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
     arch: str = axis("", choices=ARCHS, default="sm90")
     target: str = axis("", choices=TARGETS, default="gpu")
+
+    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
+        return default_int4_meta(
+            num_tokens * num_heads * cdiv(self.head_size, self.channels), self.channels
+        )
 
     def derived(self) -> dict[str, Any]:
         def groups(d: int) -> int:
@@ -240,20 +212,12 @@ class StoreKVInt4Spec(VariantSpec):
             "words": words,
             "packed": cdiv(self.head_size, 2),
             "packed_v": cdiv(self.head_size_v, 2),
-            "min_scale": "1e-06",
-            "boundaries": [repr(b) for b in INT4_BOUNDARIES],
-            "midpoints": [repr(m) for m in int4_midpoints()],
-            # (B_i as PTX's hex float literal, h_i): the GPU's fp32 form of the thresholds
-            "midpoint_parts": [(f"0f{bits:08X}", repr(h)) for bits, _, h in int4_midpoint_parts()],
+            "format_macros": formats.INT4.macros,
+            **formats.INT4.constants,
             # sm90's packed bf16x2 / f16x2 compares code two channels of a word at once
             "fast": fast,
             **(_packed_half(self.in_dtype) if fast else {}),
         }
-
-    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
-        return default_int4_meta(
-            num_tokens * num_heads * cdiv(self.head_size, self.channels), self.channels
-        )
 
 
 def default_int4_meta(units: int, channels: int) -> dict[str, int]:

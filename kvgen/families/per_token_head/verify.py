@@ -24,19 +24,17 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
     ``joint_scales``: both scale caches as strided views into one allocation.
     Returns (key_cache, value_cache, k_scales, v_scales) as GuardedCache objects.
     """
-    from kvgen.families.per_token_head import _FMT
+    from kvgen.families.per_token_head import spec_format
 
-    int4 = spec.family == "store_kv_int4_per_token_head"
-    if int4:
-        dtype = torch.uint8
-        widths = (cdiv(spec.head_size, 2), cdiv(spec.head_size_v, 2))
-        groups = (cdiv(spec.head_size, spec.channels), cdiv(spec.head_size_v, spec.channels))
-        scale_dtype = torch.float16
-    else:
-        dtype = getattr(torch, _FMT[spec.fmt][0])
-        widths = (spec.head_size, spec.head_size_v)
-        groups = None
-        scale_dtype = torch.float32
+    fmt, group = spec_format(spec)
+    dtype, scale_dtype = fmt.code_dtype, fmt.scale_dtype
+    widths = (fmt.code_bytes(spec.head_size), fmt.code_bytes(spec.head_size_v))
+    groups = None
+    if fmt.groups:
+        groups = (
+            fmt.scales_per_row(spec.head_size, group),
+            fmt.scales_per_row(spec.head_size_v, group),
+        )
     nb, bs, h = num_blocks, block_size, heads
     if layout == "kv_split":
         if widths[0] != widths[1]:

@@ -1,0 +1,111 @@
+"""kvgen tune."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvgen.cli._common import (
+    NamesArg,
+    app,
+    choice,
+    fail,
+    opt,
+)
+from kvgen.cli.output import err
+
+
+def _ints(text: str | None) -> set[int] | None:
+    return {int(v) for v in text.split(",")} if text else None
+
+
+@app.command("tune")
+def tune_cmd(
+    names: NamesArg = None,
+    arch: Annotated[str, opt("Arch to tune for; must be this GPU's.")] = "sm90",
+    trials: Annotated[int, opt("Trials per (variant, bucket) study.")] = 40,
+    timeout: Annotated[float | None, opt("Wall-clock budget in seconds.")] = None,
+    sampler: Annotated[str, opt("tpe, grid or random.")] = "tpe",
+    storage: Annotated[
+        str | None,
+        opt(
+            "Optuna storage: a URL (sqlite:///f.db, postgresql://...) or a journal file "
+            "(default ~/.cache/kvgen/tune/<arch>.journal)."
+        ),
+    ] = None,
+    buckets: Annotated[str | None, opt("Only these num_tokens buckets (comma-separated).")] = None,
+    heads: Annotated[str | None, opt("Only these num_heads buckets (comma-separated).")] = None,
+    out: Annotated[
+        Path | None, opt("tuned_configs folder to write (default: the package's).")
+    ] = None,
+    force: Annotated[bool, opt("Tune although this GPU is not --arch.")] = False,
+    families: Annotated[
+        str | None,
+        opt("Only the default variants of these families (comma-separated).", "--family"),
+    ] = None,
+    jobs: Annotated[
+        int,
+        opt(
+            "Processes that compile each variant's candidates up front (timing stays serial); "
+            "1: off.",
+            "--jobs",
+            "-j",
+            show_default="CPU count - 1",
+        ),
+    ] = 0,
+    gpus: Annotated[
+        int, opt("GPUs to tune on, one worker each (default: all visible).", show_default=False)
+    ] = 0,
+    confirm: Annotated[
+        int,
+        opt(
+            "Re-time each study's best N configs (all, in a study of 8 or fewer) and the "
+            "default in 3 alternated rounds; keep the lowest median (0: the best trial).",
+            min=0,
+        ),
+    ] = 3,
+) -> None:
+    """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
+
+    Every trial is checked against the reference and timed with CUDA graphs, in a worker
+    process per GPU (a candidate that breaks its GPU context ends that worker only); an
+    interrupted run resumes from its storage. With several GPUs (or several hosts sharing a
+    --storage postgresql://... database, each running this command), the trials of every study
+    are spread over all workers. Before writing, the best few configs of each study and the
+    default are timed again in alternated rounds (--confirm), so that one lucky timing does not
+    pick the config.
+    """
+    import torch
+
+    from kvgen.codegen.spec import ARCHS
+
+    arch = choice(arch, ARCHS, "arch", "--arch")
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise fail("kvgen tune needs optuna: pip install 'kvgen[tune]'") from None
+    if not torch.cuda.is_available():
+        raise fail("kvgen tune needs a CUDA GPU")
+    from kvgen.runtime import local_target
+    from kvgen.tune import run as tune_run
+
+    if local_target()[0] != arch and not force:
+        raise fail(f"this GPU is {local_target()[0]}, not {arch}; pass --force to tune anyway")
+    opts = tune_run.Options(arch, storage, sampler, trials, timeout, jobs, confirm, out)
+    try:
+        tune_run.start(
+            names,
+            opts,
+            families={f.strip() for f in families.split(",")} if families else None,
+            num_tokens=_ints(buckets),
+            num_heads=_ints(heads),
+            gpus=gpus,
+            log=err.print,
+        )
+    except ValueError as exc:
+        raise fail(exc) from None
+    except KeyboardInterrupt:
+        err.print("\ninterrupted: nothing written; the same command resumes the studies")
+        raise typer.Exit(130) from None
