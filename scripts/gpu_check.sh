@@ -9,7 +9,7 @@ out=${1:-gpu-check.txt}
 {
   echo "# compute-sanitizer memcheck over scripts/gpu_check.py"
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
-  echo "# kvgen $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $($PYTHON -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
+  echo "# kvgen ${KVGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, $($PYTHON -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 } >"$out"
 compute-sanitizer --tool memcheck --error-exitcode 3 "$PYTHON" -P scripts/gpu_check.py \
   >>"$out" 2>&1

@@ -2,7 +2,8 @@
 # What a change that touches kernels runs on a GPU machine, written under ${OUT:-gpu-out}/:
 #   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
-# kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
+# KVGEN_COMMIT, when set, is the commit the bench records (a copied checkout's .git may be
+# older than its files). kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
 # lacks, e.g. optuna for the tuner tests, may be put in .whl/ and are installed first).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ case "${1:-tests}" in
     ;;
   bench)
     python3 -P -m kvgen bench --tokens 1,16,4096,65536 --json "$out/bench-$day.json" \
-      --plot "$out/bench-$day.png" 2>&1 | tee "$out/bench-$day.txt" | tail -n 40 || rc=1
+      --plot "$out/bench-$day.png" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 | tee "$out/bench-$day.txt" | tail -n 40 || rc=1
     python3 -P -m kvgen show sm90 --plot "$out/tuned-sm90.png" >/dev/null || rc=1
     ;;
   *)
