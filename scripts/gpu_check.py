@@ -79,24 +79,31 @@ def decodes() -> None:
     for spec in registry.variants(*runtime.local_target(), family="mla_decode"):
         if spec.dtype != "bf16":
             continue
-        page = 64
-        lengths = [70, 0, 1, 130]
-        need = [-(-n // page) for n in lengths]
-        k = torch.randn(sum(need) + 2, page, 1, spec.head_dim, device=DEV).to(torch.bfloat16)
-        table = torch.zeros(len(lengths), max(need) + 1, dtype=torch.int32, device=DEV)
-        pages = torch.randperm(k.shape[0], device=DEV).to(torch.int32)
-        i = 0
-        for b, nb in enumerate(need):
-            table[b, :nb] = pages[i : i + nb]
-            i += nb
-        sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
-        q = torch.randn(len(lengths), 2, 16, spec.head_dim, device=DEV).to(torch.bfloat16)
-        ref, _ = mla_decode(q.cpu(), k.cpu(), table.cpu(), sl.cpu(), spec.head_dim_v, causal=True)
-        meta, splits = get_mla_metadata(sl, 32, 1)
-        mp = spec.default_meta(rows=32)
-        out, _ = load(spec).launch(q, k, table, sl, meta, splits, spec.head_dim**-0.5, True, **mp)
-        rel = float((out.cpu().double() - ref).norm() / ref.norm())
-        check(f"{spec.name} {mp}", rel < 1e-2)
+        for h_kv in (1, 2):  # DeepSeek's one KV head, and several (each group its own)
+            decode(spec, h_kv)
+
+
+def decode(spec, h_kv: int) -> None:
+    page = 64
+    lengths = [70, 0, 1, 130]
+    need = [-(-n // page) for n in lengths]
+    shape = (sum(need) + 2, page, h_kv, spec.head_dim)
+    k = torch.randn(shape, device=DEV).to(torch.bfloat16)
+    table = torch.zeros(len(lengths), max(need) + 1, dtype=torch.int32, device=DEV)
+    pages = torch.randperm(k.shape[0], device=DEV).to(torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb]
+        i += nb
+    sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lengths), 2, 16, spec.head_dim, device=DEV).to(torch.bfloat16)
+    ref, _ = mla_decode(q.cpu(), k.cpu(), table.cpu(), sl.cpu(), spec.head_dim_v, causal=True)
+    rows = 2 * 16 // h_kv
+    meta, splits = get_mla_metadata(sl, rows, h_kv)
+    mp = spec.default_meta(rows=rows)
+    out, _ = load(spec).launch(q, k, table, sl, meta, splits, spec.head_dim**-0.5, True, **mp)
+    rel = float((out.cpu().double() - ref).norm() / ref.norm())
+    check(f"{spec.name} h_kv={h_kv} {mp}", rel < 1e-2)
 
 
 if __name__ == "__main__":

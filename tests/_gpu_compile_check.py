@@ -149,6 +149,7 @@ for spec in (
                     "k_ptr",
                     "stride_k_block",
                     "stride_k_row",
+                    "stride_k_head",
                     "q_ptr",
                     "stride_q_batch",
                     "stride_q_row",

@@ -17,11 +17,11 @@ VARIANTS = registry.variants(ARCH, TARGET, "mla_decode")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
+def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0, h_kv=1):
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // page) for n in seqlens]
     num_blocks = sum(need) + 3
-    k_cache = torch.randn(num_blocks, page, 1, d, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, page, h_kv, d, generator=gen).to(dtype)
     pages = torch.randperm(num_blocks, generator=gen)  # pages in no particular order
     table = torch.full((len(seqlens), max(max(need), 1) + 1), -7, dtype=torch.int32)
     i = 0
@@ -34,13 +34,14 @@ def _problem(seqlens, page, h_q, s_q, d, dtype, device, seed=0):
 
 
 def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, policy=None, **meta_kw):
-    meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2], 1)
+    h_kv = k_cache.shape[2]
+    meta, splits = get_mla_metadata(sl, q.shape[1] * q.shape[2] // h_kv, h_kv)
     if policy is not None:  # the same parts, sequences split (partial results) or kept whole
         meta, splits = schedule(sl, meta.shape[0], policy)
     if spec is None:
         out, lse = flash_mla_with_kvcache(q, k_cache, table, sl, dv, meta, splits, scale, causal)
     else:  # a given variant, through its generated launcher
-        rows = q.shape[1] * q.shape[2]
+        rows = q.shape[1] * q.shape[2] // h_kv
         out, lse = load(spec).launch(
             q,
             k_cache,
@@ -59,7 +60,7 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
     rel = (out.cpu().double() - ref_out).norm() / ref_out.norm().clamp(min=1e-30)
     assert rel < 1e-2, f"relative error {float(rel):.2e}"
     finite = torch.isfinite(ref_lse)
-    assert (lse.cpu()[~finite] == -math.inf).all(), "rows with no key must have lse -inf"
+    assert (lse.cpu()[~finite] == math.inf).all(), "rows with no key must have lse +inf"
     assert (out.cpu()[(~finite).permute(0, 2, 1)] == 0).all(), "rows with no key must be 0"
     err = (lse.cpu().double()[finite] - ref_lse[finite]).abs()
     assert err.numel() == 0 or float(err.max()) < 1e-3
@@ -156,6 +157,57 @@ def test_page_lookup_a_tile_ahead(spec, kernel, device):
     _check(q, k, t, sl, 512, spec=spec, block_n=16, **kernel)
 
 
+KV_HEAD_CASES = [(2, 4, 1), (3, 9, 2), (8, 8, 1), (2, 6, 4)]  # (h_kv, h_q, s_q)
+
+
+@pytest.mark.parametrize("policy", ["split", "whole"])
+@pytest.mark.parametrize("h_kv,h_q,s_q", KV_HEAD_CASES)
+@pytest.mark.parametrize("spec", [s for s in VARIANTS if s.head_dim == 576] or [None], ids=_kid)
+def test_several_kv_heads(spec, h_kv, h_q, s_q, policy, device):
+    """FlashMLA's several KV heads: query head h reads KV head h // (h_q / h_kv); unequal
+    lengths with 0 and 1, causal rows, both schedules, every variant."""
+    if spec is None:
+        pytest.skip("no 576-wide variant on this target")
+    dtype = DTYPES[spec.dtype]
+    q, k, t, sl = _problem([70, 0, 1, 130], 16, h_q, s_q, 576, dtype, device, seed=h_kv, h_kv=h_kv)
+    _check(q, k, t, sl, 512, causal=True, spec=spec, policy=policy)
+
+
+def test_several_kv_heads_through_the_op(device):
+    q, k, t, sl = _problem([300, 0, 17], 64, 16, 2, 576, torch.bfloat16, device, h_kv=4)
+    _check(q, k, t, sl, 512, causal=True)
+
+
+def test_metadata_filled_by_the_first_call(device):
+    """FlashMLA's newer form: get_mla_metadata() is empty, the first decode fills it (the same
+    schedule as the seed form's), later calls with the same arguments reuse it, a call with
+    other shapes is refused, and the seed form's tensors still work."""
+    from kvgen.ops import MLASchedMeta
+
+    q, k, t, sl = _problem([70, 0, 130], 16, 4, 2, 576, torch.bfloat16, device, h_kv=2)
+    sched, none = get_mla_metadata()
+    assert isinstance(sched, MLASchedMeta) and none is None and sched.config is None
+    out, lse = flash_mla_with_kvcache(q, k, t, sl, 512, sched, None, causal=True)
+    meta, splits = get_mla_metadata(sl, 2 * 4 // 2, 2)
+    assert torch.equal(sched.tile_scheduler_metadata, meta) and torch.equal(
+        sched.num_splits, splits
+    )
+    first = sched.tile_scheduler_metadata
+    out2, lse2 = flash_mla_with_kvcache(q, k, t, sl, 512, sched, None, causal=True)
+    assert sched.tile_scheduler_metadata is first  # reused, not recomputed
+    want_out, want_lse = flash_mla_with_kvcache(q, k, t, sl, 512, meta, splits, causal=True)
+    for a in (out, out2):
+        assert torch.equal(a, want_out)
+    for a in (lse, lse2):
+        assert torch.equal(a, want_lse)
+    with pytest.raises(ValueError, match="causal False \\(was True\\)"):
+        flash_mla_with_kvcache(q, k, t, sl, 512, sched, None, causal=False)
+    with pytest.raises(ValueError, match="num_splits must be None"):
+        flash_mla_with_kvcache(q, k, t, sl, 512, sched, splits)
+    with pytest.raises(TypeError, match="num_splits is None"):
+        flash_mla_with_kvcache(q, k, t, sl, 512, meta, None)
+
+
 @pytest.mark.parametrize("page", [1, 5, 64, 256])
 def test_page_sizes(page, device):
     q, k, t, sl = _problem([300, 17, 64], page, 2, 1, 576, torch.bfloat16, device, seed=page)
@@ -194,8 +246,8 @@ def test_bad_arguments(device):
 
     with pytest.raises(ValueError, match="head_dim mismatch"):
         call(q=q[..., :512].contiguous())
-    with pytest.raises(ValueError, match="num_heads_k must be 1"):
-        call(k_cache=k.expand(-1, -1, 2, -1))
+    with pytest.raises(ValueError, match=r"num_heads_k \(k_cache's dim 2, 3\) must divide"):
+        call(k_cache=k.expand(-1, -1, 3, -1))
     with pytest.raises(TypeError, match="k_cache must have q's dtype"):
         call(k_cache=k.half())
     with pytest.raises(ValueError, match="computed for other seqlens"):

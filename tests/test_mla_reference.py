@@ -10,11 +10,11 @@ from kvgen.ops import get_mla_metadata
 from kvgen.ops._mla_metadata import BLOCK_N, FIXED_COST, schedule
 
 
-def _paged(seqlens, page=16, d=64, seed=0, shuffle=True):
+def _paged(seqlens, page=16, d=64, seed=0, shuffle=True, heads=1):
     gen = torch.Generator().manual_seed(seed)
     blocks_per = [-(-n // page) for n in seqlens]
     total = sum(blocks_per) + 3
-    k_cache = torch.randn(total, page, 1, d, generator=gen)
+    k_cache = torch.randn(total, page, heads, d, generator=gen)
     order = torch.randperm(total, generator=gen) if shuffle else torch.arange(total)
     width = max(max(blocks_per), 1)
     table = torch.full((len(seqlens), width), -1, dtype=torch.int32)
@@ -50,12 +50,13 @@ def test_empty_sequences_and_causal_rows():
     q = torch.randn(3, 4, 2, 32)
     k_cache, table = _paged(seqlens, page=2, d=32)
     out, lse = mla_decode(q, k_cache, table, torch.tensor(seqlens), 32, causal=True)
-    assert (out[0] == 0).all() and (lse[0] == -math.inf).all()
+    # A query that sees no key: out 0 and lse +inf (FlashMLA's convention).
+    assert (out[0] == 0).all() and (lse[0] == math.inf).all()
     # seqlen 1, 4 queries: only the last query row sees the token.
-    assert (lse[1, :, :3] == -math.inf).all() and torch.isfinite(lse[1, :, 3]).all()
+    assert (lse[1, :, :3] == math.inf).all() and torch.isfinite(lse[1, :, 3]).all()
     assert (out[1, :3] == 0).all()
     # seqlen 3: query i sees keys 0 .. i - 1 (i = 0 sees none).
-    assert (lse[2, :, 0] == -math.inf).all() and torch.isfinite(lse[2, :, 1:]).all()
+    assert (lse[2, :, 0] == math.inf).all() and torch.isfinite(lse[2, :, 1:]).all()
     one, _ = mla_decode(q[:, -1:], k_cache, table, torch.tensor(seqlens), 32, causal=False)
     assert torch.allclose(one[:, 0], out[:, -1])  # the last row is not masked at all
 
@@ -121,6 +122,20 @@ def test_schedule_keeps_sequences_whole_where_that_costs_little(seqlens, parts, 
     meta, num_splits = schedule(sl, parts)
     ref = schedule(sl, parts, "whole" if whole else "split")
     assert torch.equal(meta, ref[0]) and torch.equal(num_splits, ref[1])
+
+
+def test_several_kv_heads_read_their_groups_kv_head():
+    """num_heads_k = 2: query heads 0-2 read KV head 0, heads 3-5 KV head 1, which is the
+    single-head decode of each group against its own head."""
+    seqlens = [5, 9]
+    q = torch.randn(2, 2, 6, 32)
+    k_cache, table = _paged(seqlens, page=4, d=32, heads=2)
+    out, lse = mla_decode(q, k_cache, table, torch.tensor(seqlens), 16, causal=True)
+    for kv in range(2):
+        heads = slice(3 * kv, 3 * kv + 3)
+        one = k_cache[:, :, kv : kv + 1]
+        o1, l1 = mla_decode(q[:, :, heads], one, table, torch.tensor(seqlens), 16, causal=True)
+        assert torch.equal(out[:, :, heads], o1) and torch.equal(lse[:, heads], l1)
 
 
 def test_get_mla_metadata_arguments():

@@ -7,7 +7,7 @@ and compiled on first use for each specialisation, then reused.
 """
 
 from kvgen.ops._mla_decode import flash_mla_with_kvcache
-from kvgen.ops._mla_metadata import get_mla_metadata
+from kvgen.ops._mla_metadata import MLASchedMeta, get_mla_metadata
 from kvgen.ops._mxfp4_mla import GROUP_SIZE, gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
 from kvgen.ops._per_token_head import (
     gather_kv_per_token_head,
@@ -25,6 +25,7 @@ __all__ = [
     "gather_kv_per_token_head",
     "gather_mxfp4_mla",
     "get_mla_metadata",
+    "MLASchedMeta",
     "mxfp4_row_bytes",
     "store_kv_int4_per_token_head",
     "store_kv_per_token_head",

@@ -9,7 +9,7 @@ from kvgen.families.mla_decode import MLADecodeSpec, widths_problem
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import choose, module
-from kvgen.ops._mla_metadata import METADATA_SIZE
+from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 
 
 def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
@@ -22,8 +22,12 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
     check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
     if k.dtype != q.dtype:
         raise TypeError(f"k_cache must have q's dtype {q.dtype}; got {k.dtype}")
-    if k.shape[2] != 1:
-        raise ValueError(f"num_heads_k must be 1 for MLA; k_cache has {k.shape[2]}")
+    h_kv = k.shape[2]
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(
+            f"num_heads_k (k_cache's dim 2, {h_kv}) must divide num_heads_q ({h_q}): each "
+            "query head reads its group's KV head"
+        )
     if k.shape[3] != d:
         raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
     if k.stride(3) != 1:
@@ -84,10 +88,11 @@ def _run_decode(device, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causa
     if check_pages:
         _check_pages(k, bt, sl)
     _, s_q, h_q, d = q.shape
+    rows = s_q * h_q // k.shape[2]  # a KV head's query rows
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
-    spec = choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, s_q * h_q)
-    meta_p = runtime.meta_params(spec, rows=s_q * h_q)
+    spec = choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, rows)
+    meta_p = runtime.meta_params(spec, rows=rows)
     return module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
 
 
@@ -113,8 +118,8 @@ def flash_mla_with_kvcache(
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
     head_dim_v: int,
-    tile_scheduler_metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor | MLASchedMeta,
+    num_splits: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     *,
@@ -124,22 +129,39 @@ def flash_mla_with_kvcache(
 
     Args:
         q: [batch, seq_len_q, num_heads_q, head_dim] bf16 or fp16.
-        k_cache: [num_blocks, page_block_size, 1, head_dim], q's dtype; its first head_dim_v
-            channels are also V. Any page size from 1 to 256.
+        k_cache: [num_blocks, page_block_size, num_heads_k, head_dim], q's dtype; its first
+            head_dim_v channels are also V. Any page size from 1 to 256; num_heads_k (1 for
+            DeepSeek's MLA) divides num_heads_q, and query head h reads KV head
+            h // (num_heads_q // num_heads_k).
         block_table: [batch, max_num_blocks_per_seq] int32.
         cache_seqlens: [batch] int32.
         head_dim_v: width of V (512 for DeepSeek's 576-wide cache).
-        tile_scheduler_metadata, num_splits: from ``get_mla_metadata`` for these seqlens.
+        tile_scheduler_metadata, num_splits: from ``get_mla_metadata(cache_seqlens,
+            seq_len_q * num_heads_q // num_heads_k, num_heads_k)``; or, FlashMLA's newer form,
+            the ``MLASchedMeta`` of ``get_mla_metadata()`` and None: the first call fills it
+            from these lengths and shapes, and later calls reuse it (for the same lengths).
         softmax_scale: default 1 / sqrt(head_dim).
         causal: the seq_len_q queries are the sequence's last positions (speculative decoding).
         check_block_table: also check that every page a sequence uses exists (costs a sync).
 
     Returns:
         out [batch, seq_len_q, num_heads_q, head_dim_v] (q's dtype) and lse [batch,
-        num_heads_q, seq_len_q] fp32 (natural log); queries that see no key get 0 and -inf.
+        num_heads_q, seq_len_q] fp32 (natural log). A query that sees no key (a sequence of
+        length 0, or a causal row before its first key) gets out 0 and lse +inf, as FlashMLA's.
 
     The op is ``torch.ops.kvgen.flash_mla_with_kvcache``.
     """
+    if isinstance(tile_scheduler_metadata, MLASchedMeta):
+        if num_splits is not None:
+            raise ValueError("num_splits must be None with the MLASchedMeta of get_mla_metadata()")
+        tile_scheduler_metadata, num_splits = tile_scheduler_metadata.schedule(
+            q, k_cache, cache_seqlens, bool(causal)
+        )
+    elif num_splits is None:
+        raise TypeError(
+            "num_splits is None: pass get_mla_metadata(cache_seqlens, ...)'s two tensors, or "
+            "get_mla_metadata()'s MLASchedMeta"
+        )
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     return _decode_op(

@@ -24,6 +24,8 @@ needs no combining at all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvgen._math import cdiv
@@ -171,23 +173,72 @@ _metadata_op = define(
 )
 
 
+@dataclasses.dataclass
+class MLASchedMeta:
+    """The schedule of FlashMLA's newer interface: ``get_mla_metadata()`` returns it empty, the
+    first ``flash_mla_with_kvcache`` call fills it (``get_mla_metadata``'s tensors for that
+    call's lengths and shapes, on the device: no sync) and later calls reuse it. Reuse it only
+    for calls with the same ``cache_seqlens`` values (the schedule is theirs); a call whose
+    shapes differ from the first one's raises ValueError."""
+
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+    #: (batch, seq_len_q, num_heads_q, page_block_size, num_heads_k, causal) of the first call
+    config: tuple | None = None
+
+    def schedule(self, q, k_cache, cache_seqlens, causal: bool):
+        """(tile_scheduler_metadata, num_splits) for a decode call, made on the first."""
+        from kvgen.ops import _checks as check
+
+        check.ndim("q", check.tensor("q", q), 4, "[batch, seq_len_q, num_heads_q, head_dim]")
+        k_shape = "[num_blocks, page_block_size, num_heads_k, head_dim]"
+        check.ndim("k_cache", check.tensor("k_cache", k_cache), 4, k_shape)
+        batch, s_q, h_q, _ = q.shape
+        h_kv = k_cache.shape[2]
+        config = (batch, s_q, h_q, k_cache.shape[1], h_kv, causal)
+        if self.config is None:
+            if h_kv < 1 or h_q % h_kv:
+                raise ValueError(f"num_heads_k ({h_kv}) must divide num_heads_q ({h_q})")
+            meta, splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+            self.tile_scheduler_metadata, self.num_splits, self.config = meta, splits, config
+        elif config != self.config:
+            names = "batch seq_len_q num_heads_q page_block_size num_heads_k causal".split()
+            pairs = zip(names, config, self.config, strict=True)
+            diff = ", ".join(f"{n} {a} (was {b})" for n, a, b in pairs if a != b)
+            raise ValueError(
+                f"tile_scheduler_metadata was filled by a call with other arguments: {diff}; "
+                "use one get_mla_metadata() per set of lengths and shapes"
+            )
+        return self.tile_scheduler_metadata, self.num_splits
+
+
 def get_mla_metadata(
-    cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA's ``get_mla_metadata``: ``(tile_scheduler_metadata, num_splits)``.
+    cache_seqlens: torch.Tensor | None = None,
+    num_heads_per_head_k: int | None = None,
+    num_heads_k: int | None = None,
+):
+    """FlashMLA's ``get_mla_metadata``, in both of its forms.
+
+    ``get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k)`` returns
+    ``(tile_scheduler_metadata, num_splits)`` for these lengths:
 
     Args:
         cache_seqlens: [batch] int32 (int64 accepted), on the device of the decode.
         num_heads_per_head_k: seq_len_q * num_heads_q // num_heads_k.
-        num_heads_k: KV heads (1 for MLA).
+        num_heads_k: KV heads (1 for DeepSeek's MLA).
 
     Computed with device ops only: no host synchronisation, safe inside CUDA graphs' warm-up.
     The layout is documented at the top of this module. The op is
     ``torch.ops.kvgen.get_mla_metadata``; on meta tensors the schedule's shape is that for
     this machine's first GPU (the interpreter's without one).
+
+    ``get_mla_metadata()`` (FlashMLA's newer form) returns ``(MLASchedMeta(), None)``: an empty
+    schedule that the first ``flash_mla_with_kvcache`` call given it fills.
     """
     from kvgen.ops import _checks as check
 
+    if cache_seqlens is None and num_heads_per_head_k is None and num_heads_k is None:
+        return MLASchedMeta(), None
     check.tensor("cache_seqlens", cache_seqlens)
     for name, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k)):
         check.int_arg(name, v)
