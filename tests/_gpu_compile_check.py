@@ -142,6 +142,7 @@ for spec in (
                     "NUM_BUF": bufs,
                     "TILE_IN_PAGE": in_page,
                     "USE_TMA": tma,
+                    "ONE_KV_HEAD": tma or bn == 32,  # several KV heads: cp.async only
                 },
                 warps=4,
                 maxnreg=mod.ROLES_MAXNREG,
@@ -167,19 +168,21 @@ for spec in (
                 "NUM_STAGES": 2,
                 "PAGE_AHEAD": bh == 16,
                 "TILE_IN_PAGE": bh == 64,
+                "ONE_KV_HEAD": bh == 16,
             },
         )
-    compile_fn(
-        spec.name,
-        mod.combine_kernel,
-        {
-            "o_acc_ptr": "*fp32",
-            "lse_acc_ptr": "*fp32",
-            "num_splits_ptr": "*i32",
-            "out_ptr": dt,
-            "lse_ptr": "*fp32",
-        },
-        {"BLOCK_H": 16, "BLOCK_V": 128},
-    )
+    for one_kv_head in (True, False):
+        compile_fn(
+            spec.name,
+            mod.combine_kernel,
+            {
+                "o_acc_ptr": "*fp32",
+                "lse_acc_ptr": "*fp32",
+                "num_splits_ptr": "*i32",
+                "out_ptr": dt,
+                "lse_ptr": "*fp32",
+            },
+            {"BLOCK_H": 16, "BLOCK_V": 128, "ONE_KV_HEAD": one_kv_head},
+        )
 
 sys.exit(1 if failures else 0)
