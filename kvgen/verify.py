@@ -153,3 +153,61 @@ def accuracy_table(rows: int = 2048, width: int = 512, seed: int = 0) -> list[di
             rel = float((err.abs() / x.abs().amax(-1, keepdim=True)).max())
             table.append({"format": fmt, "data": data_name, "snr_db": snr, "max_err_amax": rel})
     return table
+
+
+def mla_accuracy_table(batch: int = 4, seqlen: int = 256, heads: int = 16, seed: int = 0):
+    """The MLA decode's output error over each cache format against the bf16 cache: the
+    float64 reference decode (``kvgen.formats.mla_decode``) over the dequantized cache of each
+    format and over the bf16 cache, relative error of ``out`` and max error of ``lse``. Data:
+    latents with a few outlier channels, RoPE'd keys, bf16 queries; one KV head, 576 / 512."""
+    from kvgen.formats import mla_cache, mla_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    n = batch * seqlen
+    kv_c = torch.randn(n, 512, generator=gen)
+    outliers = torch.randperm(512, generator=gen)[:8]
+    kv_c[:, outliers] *= 20.0
+    # RoPE'd keys: pairs of channels rotated by position-dependent angles
+    pe = torch.randn(n, 32, 2, generator=gen)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] % seqlen
+    theta = pos * torch.pow(10000.0, -torch.arange(32) / 32.0)[None, :]
+    cos, sin = theta.cos(), theta.sin()
+    k_pe = torch.stack(
+        [pe[..., 0] * cos - pe[..., 1] * sin, pe[..., 0] * sin + pe[..., 1] * cos], dim=-1
+    ).reshape(n, 64)
+    kv_c, k_pe = kv_c.to(torch.bfloat16), k_pe.to(torch.bfloat16)
+    q = torch.randn(batch, 1, heads, 576, generator=gen).to(torch.bfloat16)
+    table = torch.arange(batch, dtype=torch.int32)[:, None]
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32)
+    k_scale = (torch.cat([kv_c, k_pe], 1).float().abs().amax() / 448.0).reshape(1)
+    caches = {
+        ("bf16", 1152): torch.cat([kv_c, k_pe], 1).float(),
+        ("fp8_ds_mla", 656): mla_cache.dequantize_fp8_ds_mla(
+            mla_cache.quantize_fp8_ds_mla(kv_c, k_pe)
+        ),
+        ("fp8 (per tensor)", 576): mla_cache.dequantize_fp8_per_tensor(
+            mla_cache.quantize_fp8_per_tensor(kv_c, k_pe, k_scale), k_scale
+        ),
+        ("mxfp4, group 32, bf16 RoPE", 400): mla_cache.dequantize_mxfp4_rope(
+            mla_cache.quantize_mxfp4_rope(kv_c, k_pe)
+        ),
+    }
+
+    def decode(rows):
+        k = rows.double().reshape(batch, seqlen, 1, 576)
+        return mla_decode.mla_decode(q, k, table, lengths, 512)
+
+    ref_out, ref_lse = decode(caches[("bf16", 1152)])
+    out_rows = []
+    for (name, row_bytes), rows in caches.items():
+        out, lse = decode(rows)
+        rel = float((out - ref_out).norm() / ref_out.norm())
+        out_rows.append(
+            {
+                "format": name,
+                "bytes_per_token": row_bytes,
+                "out_rel_err": rel,
+                "lse_max_err": float((lse - ref_lse).abs().max()),
+            }
+        )
+    return out_rows

@@ -83,6 +83,20 @@ def test_verify_accuracy_table():
     for fmt in ("int8 per token-head", "fp8 e4m3", "int4 levels, 32 ch/scale", "mxfp4, group 32"):
         assert fmt in result.output
     assert "student-t(3)" in result.output and "outlier" in result.output
+    for fmt in ("fp8_ds_mla", "fp8 (per tensor)", "mxfp4, group 32, bf16 RoPE"):
+        assert fmt in result.output
+
+
+def test_mla_accuracy_table():
+    from kvgen.verify import mla_accuracy_table
+
+    rows = {r["format"]: r for r in mla_accuracy_table(batch=2, seqlen=64)}
+    assert rows["bf16"]["out_rel_err"] == 0 and rows["bf16"]["lse_max_err"] == 0
+    assert [r["bytes_per_token"] for r in rows.values()] == [1152, 656, 576, 400]
+    # 4-bit elements lose more than 8-bit ones with a scale per 128 channels
+    ds, mx = rows["fp8_ds_mla"], rows["mxfp4, group 32, bf16 RoPE"]
+    assert 0 < ds["out_rel_err"] < mx["out_rel_err"] < 1
+    assert mla_accuracy_table(batch=2, seqlen=64) == list(rows.values())  # seeded: repeatable
 
 
 def test_verify_kv_variant():
@@ -156,7 +170,8 @@ def test_json_output_parses():
     doc = json.loads(result.stdout)
     assert doc["passed"] == 1 and doc["failed"] == 0 and doc["results"][0]["name"] == name
     acc = json.loads(runner.invoke(app, ["verify", "--accuracy", "--json"]).stdout)
-    assert {"format", "data", "snr_db", "max_err_amax"} <= set(acc[0])
+    assert {"format", "data", "snr_db", "max_err_amax"} <= set(acc["formats"][0])
+    assert {"format", "bytes_per_token", "out_rel_err", "lse_max_err"} <= set(acc["mla_decode"][0])
 
 
 def test_show_marks_the_decode_variant_each_bucket_uses():

@@ -94,11 +94,12 @@ def verify_cmd(
 
     if accuracy:
         with err.status("quantizing"):
-            rows = verify.accuracy_table()
+            rows, mla = verify.accuracy_table(), verify.mla_accuracy_table()
         if as_json:
-            show.print_json(rows)
+            show.print_json({"formats": rows, "mla_decode": mla})
         else:
             show.out(wide).print(show.accuracy_table(rows))
+            show.out(wide).print(show.mla_accuracy_table(mla))
         return
     arch, target = resolve_target(None, None)
     specs = specs_named(names, arch, target)

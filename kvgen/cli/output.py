@@ -80,6 +80,11 @@ FIELDS: dict[str, tuple[str, Callable[[Any], str | Text], bool]] = {
     "copy_graph_us": ("copy us", _fixed(".2f"), True),
     "latency_ratio": ("x copy time", _fixed(".2f"), True),
     "correct": ("ok", ok, True),
+    # kvgen verify --accuracy
+    "format": ("format", str, False),
+    "bytes_per_token": ("bytes / token", str, True),
+    "out_rel_err": ("out rel. error", _fixed(".2e"), True),
+    "lse_max_err": ("lse max error", _fixed(".2e"), True),
     # kvgen show
     "bucket": ("bucket", str, False),
     "meta": ("meta", lambda m: " ".join(f"{k}={v}" for k, v in sorted(m.items())), False),
@@ -119,6 +124,11 @@ def accuracy_table(rows: list[dict]) -> Table:
             fmt, *(f"{cells[d]['snr_db']:.1f} ({cells[d]['max_err_amax']:.3f})" for d in data)
         )
     return t
+
+
+def mla_accuracy_table(rows: list[dict]) -> Table:
+    title = "MLA decode over each cache format against the bf16 cache (576/512, 16 heads)"
+    return table(title, ("format", "bytes_per_token", "out_rel_err", "lse_max_err"), rows)
 
 
 STORE_KEYS = (
