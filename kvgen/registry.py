@@ -23,6 +23,7 @@ BUILTIN = (
     "kvgen.families.mxfp4_mla.family",
     "kvgen.families.per_token_head.family",
     "kvgen.families.mla_decode.family",
+    "kvgen.families.mla_cache.family",
 )
 ENTRY_POINTS = "kvgen.families"
 _registered: dict[str, Family] = {}

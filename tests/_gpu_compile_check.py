@@ -14,6 +14,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
+from kvgen.families.mla_cache import ConcatAndCacheMLASpec  # noqa: E402
 from kvgen.families.mla_decode import MLADecodeSpec  # noqa: E402
 from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec  # noqa: E402
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec  # noqa: E402
@@ -95,6 +96,19 @@ for spec in (
         continue
     for tokens, heads in ((1, 8), (4, 2), (1, 1)):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
+
+for spec in (
+    ConcatAndCacheMLASpec("auto", 512, 64, "bf16"),
+    ConcatAndCacheMLASpec("fp8", 512, 64, "fp16"),
+    ConcatAndCacheMLASpec("fp8_ds_mla", 512, 64, "bf16"),
+    ConcatAndCacheMLASpec("fp8_ds_mla", 512, 64, "fp32"),
+):
+    src = PTR[spec.in_dtype]
+    cache = src if spec.fmt == "auto" else "*u8"
+    types = {"kv_ptr": src, "pe_ptr": src, "cache_ptr": cache, "slot_ptr": "*i64"}
+    types["scale_ptr"] = "*fp32"
+    for tokens in (1, 4):
+        compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens})
 
 for spec in (
     MLADecodeSpec(576, 512, "bf16"),

@@ -17,8 +17,10 @@ OPS = (
     "gather_kv_per_token_head",
     "get_mla_metadata",
     "flash_mla_with_kvcache",
+    "concat_and_cache_mla",
 )
 MUTATED = {
+    "concat_and_cache_mla": ["kv_cache"],
     "store_mxfp4_mla": ["cache"],
     "reshape_and_cache_flash_per_token_head_quant": [
         "key_cache",
@@ -68,7 +70,11 @@ def _inputs(device, seed=0):
     k_cache = randn(6, 16, 1, 288).to(torch.bfloat16)
     table = torch.tensor([[3, 0, 5], [1, 1, 1], [2, 4, 4]], dtype=torch.int32, device=device)
     q = randn(3, 1, 4, 288).to(torch.bfloat16)
+    pe = randn(tokens, 64).to(torch.bfloat16)
+    mla = torch.full((2, 16, 656), 0xFF, dtype=torch.uint8, device=device)
     return dict(
+        pe=pe,
+        mla=mla,
         x=x,
         slots=slots,
         mx=mx,
@@ -99,11 +105,13 @@ def _every_op(t):
     out, lse = ops.flash_mla_with_kvcache(
         t["q"], t["k_cache"], t["table"], t["seqlens"], 256, meta, splits, causal=False
     )
+    one = torch.ones(1, device=t["x"].device)
+    ops.concat_and_cache_mla(t["x"], t["pe"], t["mla"], t["slots"], "fp8_ds_mla", one)
     return latent, k8, v8, k4, v4, meta, splits, out, lse
 
 
 def _written(t):
-    return [t["mx"].backing, *t["i8"], *t["i4"]]
+    return [t["mx"].backing, *t["i8"], *t["i4"], t["mla"]]
 
 
 def _equal(a, b):

@@ -96,7 +96,7 @@ def verify_cmd(
         with err.status("quantizing"):
             rows, mla = verify.accuracy_table(), verify.mla_accuracy_table()
         if as_json:
-            show.print_json({"formats": rows, "mla_decode": mla})
+            show.print_json({"formats": rows, "decode": mla})
         else:
             show.out(wide).print(show.accuracy_table(rows))
             show.out(wide).print(show.mla_accuracy_table(mla))

@@ -104,3 +104,29 @@ def dequantize_mxfp4_rope(rows: torch.Tensor, latent: int = 512, group: int = 32
     lat = mxfp4.dequantize_rows(rows[:, :pitch], latent, group)
     rope = _from_bytes(rows[:, pitch:], torch.bfloat16).float()
     return torch.cat([lat, rope], dim=1)
+
+
+def encode(kv_c, k_pe, kv_cache_dtype: str, k_scale=None, cache_dtype=None) -> torch.Tensor:
+    """The rows ``concat_and_cache_mla`` writes, as bytes [n, row_bytes]: ``"auto"`` the 576
+    channels in ``cache_dtype`` (the input's 16-bit dtype), ``"fp8"`` / ``"fp8_e4m3"`` per
+    tensor with ``k_scale``, ``"fp8_ds_mla"`` the 656-byte record."""
+    if kv_cache_dtype == "auto":
+        return _bytes(torch.cat([kv_c, k_pe], dim=1).to(cache_dtype or kv_c.dtype))
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return quantize_fp8_per_tensor(kv_c, k_pe, k_scale)
+    if kv_cache_dtype == "fp8_ds_mla":
+        return quantize_fp8_ds_mla(kv_c, k_pe)
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+
+
+def store(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype: str, k_scale=None) -> None:
+    """Reference of ``concat_and_cache_mla``: the row of token i into slot ``slot_mapping[i]``
+    of ``kv_cache`` [num_blocks, block_size, row] (any block stride); negative slots and slots
+    past the end are skipped."""
+    block_size = kv_cache.shape[1]
+    slots = slot_mapping.to(torch.int64).cpu()
+    valid = (slots >= 0) & (slots < kv_cache.shape[0] * block_size)
+    rows = encode(kv_c.cpu()[valid], k_pe.cpu()[valid], kv_cache_dtype, k_scale, kv_cache.dtype)
+    s = slots[valid]
+    dst = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    dst[s // block_size, s % block_size] = rows.to(kv_cache.device)

@@ -1,0 +1,31 @@
+"""The ``Family`` object of kvgen/families/mla_cache/ (what the registry lists)."""
+
+from __future__ import annotations
+
+from kvgen.codegen.spec import VariantSpec
+from kvgen.families._base import Family
+from kvgen.families.mla_cache import CACHE_FORMATS, ConcatAndCacheMLASpec
+from kvgen.families.mxfp4_mla import FLOAT_DTYPES
+
+
+class ConcatAndCacheMLA(Family):
+    """``concat_and_cache_mla``: the latent and RoPE parts of each token into its MLA cache row
+    (bf16 / fp16, per-tensor fp8, or the 656-byte fp8_ds_mla record)."""
+
+    spec_class = ConcatAndCacheMLASpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            ConcatAndCacheMLASpec(fmt, 512, 64, dt, arch, target)
+            for fmt in CACHE_FORMATS
+            for dt in FLOAT_DTYPES
+            if not (fmt == "auto" and dt == "fp32")
+        ]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_cache.verify import verify_concat_and_cache_mla
+
+        return verify_concat_and_cache_mla(spec, device)
+
+
+FAMILIES = (ConcatAndCacheMLA(),)

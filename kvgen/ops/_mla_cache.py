@@ -1,0 +1,149 @@
+"""vLLM's ``concat_and_cache_mla``: the latent and RoPE parts of each token into its MLA cache
+row, in the cache's format (``kvgen.formats.mla_cache``)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from kvgen import _dtypes, runtime
+from kvgen.codegen import load
+from kvgen.families.mla_cache import ConcatAndCacheMLASpec
+from kvgen.ops import _checks as check
+from kvgen.ops._library import define, nothing
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+#: kv_cache_dtype -> the spec's format
+FORMAT_OF = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_ds_mla": "fp8_ds_mla"}
+
+
+def _rows(name: str, t: torch.Tensor, n: int | None, what: str) -> None:
+    check.dtype(name, t, _FLOATS)
+    check.ndim(name, t, 2, f"[num_tokens, {what}]")
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"{name} has {t.shape[0]} tokens but kv_c has {n}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (rows may be strided)")
+
+
+def _check(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    """Every check of ``concat_and_cache_mla`` that needs no data: (spec fields, device)."""
+    if kv_cache_dtype not in FORMAT_OF:
+        known = ", ".join(map(repr, FORMAT_OF))
+        raise ValueError(f"kv_cache_dtype must be one of {known}, got {kv_cache_dtype!r}")
+    fmt = FORMAT_OF[kv_cache_dtype]
+    _rows("kv_c", kv_c, None, "kv_lora_rank")
+    n, latent = kv_c.shape
+    _rows("k_pe", k_pe, n, "rope_dim")
+    if k_pe.dtype != kv_c.dtype:
+        raise TypeError(f"k_pe must have kv_c's dtype {kv_c.dtype}; got {k_pe.dtype}")
+    rope = k_pe.shape[1]
+    if latent % 128 or not 0 < latent <= 2048:
+        raise ValueError(f"kv_c's width {latent} must be a multiple of 128 up to 2048")
+    if rope < 16 or rope > 256 or rope & (rope - 1):
+        raise ValueError(f"k_pe's width {rope} must be a power of two from 16 to 256")
+    check.dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    check.ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    if slot_mapping.shape[0] != n:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but kv_c has {n} tokens"
+        )
+    if fmt == "auto":
+        if kv_c.dtype == torch.float32:
+            raise TypeError("kv_cache_dtype 'auto' stores 16-bit values: kv_c must be bf16 or fp16")
+        check.dtype("kv_cache", kv_cache, (kv_c.dtype,))
+    elif fmt == "fp8":
+        check.dtype("kv_cache", kv_cache, (torch.uint8, torch.float8_e4m3fn))
+        check.dtype("scale", scale, (torch.float32,))
+        if scale.numel() != 1:
+            raise ValueError(
+                f"scale must hold one fp32 value (the tensor's k_scale); got {scale.numel()}"
+            )
+    else:
+        check.dtype("kv_cache", kv_cache, (torch.uint8,))
+    spec = ConcatAndCacheMLASpec(fmt, latent, rope, _dtypes.NAME[kv_c.dtype])
+    width = spec.row_bytes // kv_cache.element_size()
+    if kv_cache.ndim == 4 and kv_cache.shape[2] == 1:
+        kv_cache = kv_cache[:, :, 0]
+    check.ndim("kv_cache", kv_cache, 3, f"[num_blocks, block_size, {width}]")
+    num_blocks, block_size, row = kv_cache.shape
+    s0, s1, s2 = kv_cache.stride()
+    if row != width or (row > 1 and s2 != 1) or (block_size > 1 and s1 != width):
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} with strides {kv_cache.stride()} must be "
+            f"[num_blocks, block_size, {width}] with contiguous rows ({kv_cache_dtype!r}, "
+            f"kv_c {latent} + k_pe {rope} channels)"
+        )
+    if num_blocks > 1 and (s0 % width or s0 < block_size * width):
+        raise ValueError(
+            f"kv_cache's block stride {s0} must be a whole number of {width}-element rows and "
+            f"at least block_size * {width}"
+        )
+    if num_blocks * block_size >= 2**31:
+        raise ValueError("kv_cache has 2^31 slots or more")
+    device = check.same_device(
+        kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping, scale=scale
+    )
+    return (fmt, latent, rope, kv_c.dtype), device
+
+
+@cache
+def _launcher(fmt, latent, rope, dtype, device):
+    arch, target = runtime.target_of(device)
+    spec = ConcatAndCacheMLASpec(fmt, latent, rope, _dtypes.NAME[dtype], arch, target)
+    return spec, load(spec).launch
+
+
+def _run(checked, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
+    fields, device = checked
+    if kv_c.shape[0] == 0:
+        return
+    spec, launch = _launcher(*fields, device)
+    if kv_cache.ndim == 4:
+        kv_cache = kv_cache[:, :, 0]
+    if spec.fmt != "auto" and kv_cache.dtype != torch.uint8:
+        kv_cache = kv_cache.view(torch.uint8)
+    meta = runtime.meta_params(spec, num_tokens=kv_c.shape[0])
+    launch(kv_c, k_pe, kv_cache, slot_mapping, scale, **meta)
+
+
+_store_op = define(
+    "concat_and_cache_mla(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "str kv_cache_dtype, Tensor scale) -> ()",
+    _check,
+    _run,
+    nothing,
+)
+
+
+def concat_and_cache_mla(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    scale: torch.Tensor,
+) -> None:
+    """vLLM's ``concat_and_cache_mla``: write token i's latent ``kv_c[i]`` and RoPE part
+    ``k_pe[i]`` into slot ``slot_mapping[i]`` of the MLA cache.
+
+    Args:
+        kv_c: [num_tokens, kv_lora_rank] (512 for DeepSeek) bf16, fp16 or fp32; rows may be
+            strided (a unit last stride).
+        k_pe: [num_tokens, rope_dim] (64), kv_c's dtype.
+        kv_cache: [num_blocks, block_size, row] (or FlashMLA's [.., 1, row] view); the block
+            stride may be any whole number of rows at least block_size. ``kv_cache_dtype``
+            picks the row: ``"auto"`` kv_c + k_pe channels in kv_c's 16-bit dtype; ``"fp8"`` /
+            ``"fp8_e4m3"`` as many e4m3fn codes (uint8 or float8_e4m3fn cache) of x / scale;
+            ``"fp8_ds_mla"`` the 656-byte record (uint8 cache): e4m3fn latent codes, four fp32
+            power-of-two scales, bf16 RoPE (docs/formats.md).
+        slot_mapping: [num_tokens] int32 or int64; negative and out-of-range slots are skipped.
+        scale: a 1-element fp32 tensor, the per-tensor k_scale (read by "fp8" only).
+
+    Every argument is checked before the cache is touched. The op is
+    ``torch.ops.kvgen.concat_and_cache_mla`` (``kv_cache`` mutated).
+    """
+    if not isinstance(kv_cache_dtype, str):
+        raise TypeError(f"kv_cache_dtype must be a str, got {type(kv_cache_dtype).__name__}")
+    _store_op(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale)
