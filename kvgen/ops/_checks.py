@@ -51,3 +51,23 @@ def int_arg(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return value
+
+
+def paged_rows(name: str, cache: torch.Tensor, width: int, unit: str) -> tuple[int, int, int]:
+    """(num_blocks, block_size, block stride) of a paged cache ``[num_blocks, block_size,
+    width]`` with contiguous rows whose block stride is a whole number of rows, at least
+    ``block_size`` of them (other layers' rows may sit between blocks); else a ValueError.
+    ``unit`` names what ``width`` counts ("byte", "element")."""
+    num_blocks, block_size, row = cache.shape
+    s0, s1, s2 = cache.stride()
+    if row != width or (row > 1 and s2 != 1) or (block_size > 1 and s1 != width):
+        raise ValueError(
+            f"{name} {tuple(cache.shape)} with strides {cache.stride()} must be "
+            f"[num_blocks, block_size, {width}] with contiguous {width}-{unit} rows"
+        )
+    if num_blocks > 1 and (s0 % width or s0 < block_size * width):
+        raise ValueError(
+            f"{name} block stride {s0} must be a whole number of {width}-{unit} rows "
+            f"and at least block_size * {width} = {block_size * width}"
+        )
+    return num_blocks, block_size, s0

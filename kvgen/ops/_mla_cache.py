@@ -67,19 +67,8 @@ def _check(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     if kv_cache.ndim == 4 and kv_cache.shape[2] == 1:
         kv_cache = kv_cache[:, :, 0]
     check.ndim("kv_cache", kv_cache, 3, f"[num_blocks, block_size, {width}]")
-    num_blocks, block_size, row = kv_cache.shape
-    s0, s1, s2 = kv_cache.stride()
-    if row != width or (row > 1 and s2 != 1) or (block_size > 1 and s1 != width):
-        raise ValueError(
-            f"kv_cache {tuple(kv_cache.shape)} with strides {kv_cache.stride()} must be "
-            f"[num_blocks, block_size, {width}] with contiguous rows ({kv_cache_dtype!r}, "
-            f"kv_c {latent} + k_pe {rope} channels)"
-        )
-    if num_blocks > 1 and (s0 % width or s0 < block_size * width):
-        raise ValueError(
-            f"kv_cache's block stride {s0} must be a whole number of {width}-element rows and "
-            f"at least block_size * {width}"
-        )
+    unit = "byte" if kv_cache.element_size() == 1 else "element"
+    num_blocks, block_size, _ = check.paged_rows("kv_cache", kv_cache, width, unit)
     if num_blocks * block_size >= 2**31:
         raise ValueError("kv_cache has 2^31 slots or more")
     device = check.same_device(

@@ -38,18 +38,7 @@ def _cache_geometry(cache: torch.Tensor, pitch: int) -> tuple[str, int, int, int
     """(layout, num_slots, block_size, block_stride in bytes) of a cache, or a clear error."""
     check.dtype("cache", cache, (torch.uint8,))
     if cache.ndim == 3:
-        num_blocks, block_size, width = cache.shape
-        s0, s1, s2 = cache.stride()
-        if width != pitch or (block_size > 1 and s1 != pitch) or (width > 1 and s2 != 1):
-            raise ValueError(
-                f"paged cache {tuple(cache.shape)} with strides {cache.stride()} must be "
-                f"[num_blocks, block_size, {pitch}] with contiguous {pitch}-byte rows"
-            )
-        if num_blocks > 1 and (s0 % pitch or s0 < block_size * pitch):
-            raise ValueError(
-                f"paged cache block stride {s0} must be a whole number of {pitch}-byte rows "
-                f"and at least block_size * {pitch} = {block_size * pitch}"
-            )
+        num_blocks, block_size, s0 = check.paged_rows("paged cache", cache, pitch, "byte")
         return "paged", _slot_count(num_blocks * block_size), block_size, s0
     if not cache.is_contiguous():
         raise ValueError(

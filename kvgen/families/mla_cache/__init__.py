@@ -15,12 +15,9 @@ from kvgen.formats import mla_cache
 CACHE_FORMATS = ("auto", "fp8", "fp8_ds_mla")
 
 
-def _width_ok(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 2048 and v % 128 == 0
-
-
-def _rope_ok(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v & (v - 1) == 0
+#: latent widths (kv_lora_rank) and RoPE widths the store generates
+LATENTS = tuple(range(128, 2049, 128))
+ROPES = (16, 32, 64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +25,8 @@ class ConcatAndCacheMLASpec(VariantSpec):
     family: ClassVar[str] = "concat_and_cache_mla"
 
     fmt: str = axis("", choices=CACHE_FORMATS, default="fp8_ds_mla")
-    latent: int = axis("l", check=_width_ok, doc="a multiple of 128 up to 2048", default=512)
-    rope: int = axis("r", check=_rope_ok, doc="a power of two from 16 to 256", default=64)
+    latent: int = axis("l", choices=LATENTS, default=512)
+    rope: int = axis("r", choices=ROPES, default=64)
     in_dtype: str = axis("", choices=FLOAT_DTYPES, default="bf16")
     arch: str = axis("", choices=ARCHS, default="sm90")
     target: str = axis("", choices=TARGETS, default="gpu")
