@@ -388,7 +388,8 @@ def test_bucket_constraints_shrink_small_buckets(storage):
 
 
 @pytest.mark.parametrize(
-    "family", ["store_mxfp4_mla", "gather_mxfp4_mla", "store_kv_per_token_head"]
+    "family",
+    ["store_mxfp4_mla", "gather_mxfp4_mla", "store_kv_per_token_head", "concat_and_cache_mla"],
 )
 def test_tuning_problems_check_candidates(family, device, local_target):
     """A trial's inputs (the bench's rotated sets) and its reference check, on this machine's

@@ -89,6 +89,47 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         )
 
 
+def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat16):
+    """``concat_and_cache_mla`` of ``t`` tokens (512 latent + 64 RoPE channels) into random
+    slots (bytes: kv_c, k_pe and slots read, the rows written)."""
+    from kvgen.families.mla_cache import ConcatAndCacheMLASpec
+    from kvgen.formats import mla_cache
+    from kvgen.ops import concat_and_cache_mla
+    from kvgen.runtime import target_of
+
+    arch, target = target_of(torch.device(device))
+    spec = ConcatAndCacheMLASpec(fmt, 512, 64, _dtypes.NAME[dtype], arch, target)
+    elem = dtype if fmt == "auto" else torch.uint8
+    width = spec.row_bytes // elem.itemsize
+    scale = torch.tensor([0.05], device=device)
+    for t in tokens:
+        blocks = cdiv(t, BLOCK_SIZE) + 1
+        in_bytes = t * 576 * dtype.itemsize + t * 8
+        n_sets = harness.sets_for(in_bytes + blocks * BLOCK_SIZE * spec.row_bytes)
+        kvs = [torch.randn(t, 512, device=device).to(dtype) for _ in range(n_sets)]
+        pes = [torch.randn(t, 64, device=device).to(dtype) for _ in range(n_sets)]
+        caches = [
+            torch.zeros(blocks, BLOCK_SIZE, width, dtype=elem, device=device) for _ in range(n_sets)
+        ]
+        slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
+
+        def step(i, kvs=kvs, pes=pes, caches=caches, slots=slots):
+            concat_and_cache_mla(kvs[i], pes[i], caches[i], slots[i], fmt, scale)
+
+        def check(caches=caches, slots=slots, t=t):
+            kv, pe = torch.randn(t, 512, device=device).to(dtype), torch.randn(t, 64).to(dtype)
+            pe = pe.to(device)
+            caches[0].zero_()
+            concat_and_cache_mla(kv, pe, caches[0], slots[0], fmt, scale)
+            want = torch.zeros_like(caches[0], device="cpu")
+            mla_cache.store(kv.cpu(), pe.cpu(), want, slots[0].cpu(), fmt, scale.cpu())
+            return bool(torch.equal(caches[0].cpu(), want))
+
+        data = list(zip(kvs, pes, caches, slots, strict=True))
+        moved = in_bytes + t * spec.row_bytes
+        yield Case("concat_and_cache_mla", spec.name, t, moved, n_sets, step, check, data=data)
+
+
 def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
     """The reader: ``gather_mxfp4_mla`` of ``t`` random slots of a filled cache (bytes: slots
     and the rows read, the dequantized rows written)."""

@@ -13,6 +13,7 @@ class ConcatAndCacheMLA(Family):
     (bf16 / fp16, per-tensor fp8, or the 656-byte fp8_ds_mla record)."""
 
     spec_class = ConcatAndCacheMLASpec
+    bench_ops = ("mla-fp8_ds_mla", "mla-fp8")
 
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
         return [
@@ -22,10 +23,25 @@ class ConcatAndCacheMLA(Family):
             if not (fmt == "auto" and dt == "fp32")
         ]
 
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        # the quantized rows from bf16 activations (what the bench measures)
+        return [s for s in self.variants(arch, "gpu") if s.fmt != "auto" and s.in_dtype == "bf16"]
+
     def verify(self, spec, device):
         from kvgen.families.mla_cache.verify import verify_concat_and_cache_mla
 
         return verify_concat_and_cache_mla(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mla_cache.tuning import store_problem
+
+        return store_problem(spec, bucket, device)
+
+    def bench(self, op, bench):
+        from kvgen.bench import store
+
+        fmt = op.removeprefix("mla-")
+        return bench.stores(store.mla_cache_cases(bench.device, bench.sizes, fmt))
 
 
 FAMILIES = (ConcatAndCacheMLA(),)
