@@ -57,6 +57,7 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
         "store_kv_int4_per_token_head",
         "mla_decode",
         "concat_and_cache_mla",
+        "mla_decode_fp8_ds_mla",
     }
     for spec in specs:
         assert type(spec)(**spec.fields()) == spec

@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 
 from kvgen import _dtypes, runtime
-from kvgen.families.mla_decode import MLADecodeSpec, widths_problem
+from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeSpec, widths_problem
+from kvgen.formats.mla_cache import ds_mla_row_bytes
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import choose, module
 from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
+
+DS_MLA_ROW = ds_mla_row_bytes(512, 64)
 
 
 def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
@@ -20,15 +23,24 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
         raise ValueError("q must be contiguous in its last three dimensions")
     check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k_cache must have q's dtype {q.dtype}; got {k.dtype}")
+    if k.dtype == torch.uint8:  # fp8_ds_mla: 656-byte rows (docs/formats.md)
+        if (d, head_dim_v, q.dtype) != (576, 512, torch.bfloat16) or k.shape[3] != DS_MLA_ROW:
+            raise ValueError(
+                f"a uint8 k_cache is read as fp8_ds_mla rows: [..., {DS_MLA_ROW}] bytes for "
+                f"bf16 queries of head_dim 576 and head_dim_v 512; got k_cache "
+                f"{tuple(k.shape)}, q {q.dtype} head_dim {d}, head_dim_v {head_dim_v}"
+            )
+    elif k.dtype != q.dtype:
+        raise TypeError(
+            f"k_cache must have q's dtype {q.dtype} (or be uint8 fp8_ds_mla rows); got {k.dtype}"
+        )
     h_kv = k.shape[2]
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(
             f"num_heads_k (k_cache's dim 2, {h_kv}) must divide num_heads_q ({h_q}): each "
             "query head reads its group's KV head"
         )
-    if k.shape[3] != d:
+    if k.shape[3] != d and k.dtype != torch.uint8:
         raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
     if k.stride(3) != 1:
         raise ValueError("k_cache must be contiguous in head_dim")
@@ -91,7 +103,10 @@ def _run_decode(device, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causa
     rows = s_q * h_q // k.shape[2]  # a KV head's query rows
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
-    spec = choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, rows)
+    if k.dtype == torch.uint8:
+        spec = MLADecodeDSMLASpec(d, head_dim_v, "bf16", "portable", arch, target)
+    else:
+        spec = choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, rows)
     meta_p = runtime.meta_params(spec, rows=rows)
     return module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
 

@@ -79,6 +79,7 @@ class MLADecodeSpec(VariantSpec):
             "chunk": self.head_dim_v,
             "nchunk": 1,
             "gl_dtype": _dtypes.SOURCE[self.dtype],
+            "kv_format": "auto",  # the cache holds the queries' dtype
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
@@ -106,3 +107,23 @@ def available(variant: str, arch: str, target: str) -> bool:
     if variant == "wgmma":
         return arch in WGMMA_ARCHS and target == "gpu"
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeDSMLASpec(MLADecodeSpec):
+    """The decode over the 656-byte fp8_ds_mla cache (docs/formats.md): DeepSeek's 576 / 512
+    with bf16 queries; K and V are dequantized on chip (exact in bf16), never written back.
+    The portable variant only, for now."""
+
+    family: ClassVar[str] = "mla_decode_fp8_ds_mla"
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if (self.head_dim, self.head_dim_v, self.dtype) != (576, 512, "bf16"):
+            raise SpecError(f"{self.family}: the fp8_ds_mla record is 576 / 512 with bf16 queries")
+        if self.variant != "portable":
+            raise SpecError(f"{self.family}: only the portable variant reads fp8_ds_mla rows")
+
+    def derived(self) -> dict[str, Any]:
+        # chunks of 128 latent channels: one fp32 scale each
+        return super().derived() | {"kv_format": "fp8_ds_mla", "chunk": 128, "nchunk": 4}

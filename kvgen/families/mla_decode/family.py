@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from kvgen.codegen.spec import VariantSpec
 from kvgen.families._base import Family
-from kvgen.families.mla_decode import VARIANTS, WIDTHS, MLADecodeSpec, available
+from kvgen.families.mla_decode import (
+    VARIANTS,
+    WIDTHS,
+    MLADecodeDSMLASpec,
+    MLADecodeSpec,
+    available,
+)
 
 
 class MLADecode(Family):
@@ -56,4 +62,19 @@ class MLADecode(Family):
         return problem(spec, bucket, device)
 
 
-FAMILIES = (MLADecode(),)
+class MLADecodeDSMLA(Family):
+    """``flash_mla_with_kvcache`` over the 656-byte fp8_ds_mla cache (K and V dequantized on
+    chip); the portable variant."""
+
+    spec_class = MLADecodeDSMLASpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [MLADecodeDSMLASpec(576, 512, "bf16", "portable", arch, target)]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_decode.verify import verify_ds_mla_decode
+
+        return verify_ds_mla_decode(spec, device)
+
+
+FAMILIES = (MLADecode(), MLADecodeDSMLA())

@@ -1,0 +1,78 @@
+"""flash_mla_with_kvcache over the fp8_ds_mla cache written by kvgen's store: against kvgen's
+bf16 decode over the dequantized cache (exact in bf16) and the float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from kvgen.formats import mla_cache
+from kvgen.formats.mla_decode import mla_decode
+from kvgen.ops import concat_and_cache_mla, flash_mla_with_kvcache, get_mla_metadata
+
+
+def _cache(seqlens, page, device, seed=0, extra_rows=0):
+    """A fp8_ds_mla cache filled by concat_and_cache_mla (pages in random order, blocks
+    ``extra_rows`` further apart than a page), its table and the dequantized bf16 cache."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // page) for n in seqlens]
+    blocks = sum(need) + 2
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    table = torch.full((len(seqlens), max(max(need), 1) + 1), 2147480000, dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = order[i : i + nb]
+        i += nb
+    kv_c = torch.randn(blocks * page, 512, generator=gen)
+    kv_c[:, 5] *= 30.0  # an outlier channel
+    k_pe = torch.randn(blocks * page, 64, generator=gen)
+    mem = torch.zeros(blocks, page + extra_rows, 1, 656, dtype=torch.uint8, device=device)
+    cache = mem[:, :page]
+    slots = torch.arange(blocks * page, device=device)
+    one = torch.ones(1, device=device)
+    kv_c, k_pe = kv_c.to(torch.bfloat16), k_pe.to(torch.bfloat16)
+    concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slots, "fp8_ds_mla", one)
+    deq = mla_cache.dequantize_fp8_ds_mla(cache.cpu().reshape(-1, 656))
+    bf16 = deq.reshape(blocks, page, 1, 576).to(torch.bfloat16)
+    assert torch.equal(bf16.float(), deq.reshape(blocks, page, 1, 576))  # exact in bf16
+    return cache, table.to(device), bf16.to(device)
+
+
+@pytest.mark.parametrize(
+    "seqlens,page,h_q,s_q,causal,extra",
+    [
+        ([70, 0, 1, 130], 16, 3, 2, True, 0),
+        ([300, 17, 64], 64, 16, 1, False, 1),
+        ([5, 129, 40], 32, 8, 4, True, 3),
+    ],
+)
+def test_fp8_ds_mla_decode_matches_the_bf16_decode_of_the_dequantized_cache(
+    seqlens, page, h_q, s_q, causal, extra, device
+):
+    cache, table, bf16 = _cache(seqlens, page, device, seed=page, extra_rows=extra)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    meta, splits = get_mla_metadata(sl, s_q * h_q, 1)
+    out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, causal=causal)
+    want, want_lse = flash_mla_with_kvcache(q, bf16, table, sl, 512, meta, splits, causal=causal)
+    rel = (out.float() - want.float()).norm() / want.float().norm()
+    assert rel < 2e-3, float(rel)
+    finite = torch.isfinite(want_lse)
+    assert (lse[~finite] == math.inf).all() and (out.float()[(~finite).permute(0, 2, 1)] == 0).all()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    ref, ref_lse = mla_decode(
+        q.cpu(), bf16.cpu().double(), table.cpu(), sl.cpu(), 512, None, causal
+    )
+    assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_uint8_caches_that_are_not_fp8_ds_mla_rows_are_refused(device):
+    cache, table, _ = _cache([20], 16, device)
+    q = torch.randn(1, 1, 4, 576, dtype=torch.bfloat16, device=device)
+    sl = torch.tensor([20], dtype=torch.int32, device=device)
+    meta, splits = get_mla_metadata(sl, 4, 1)
+    with pytest.raises(ValueError, match="read as fp8_ds_mla rows"):
+        flash_mla_with_kvcache(q, cache[..., :600], table, sl, 512, meta, splits)
+    with pytest.raises(ValueError, match="read as fp8_ds_mla rows"):
+        flash_mla_with_kvcache(q.half(), cache, table, sl, 512, meta, splits)
