@@ -58,6 +58,7 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
         "mla_decode",
         "concat_and_cache_mla",
         "mla_decode_fp8_ds_mla",
+        "mla_decode_fp8",
     }
     for spec in specs:
         assert type(spec)(**spec.fields()) == spec

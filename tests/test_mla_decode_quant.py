@@ -72,7 +72,69 @@ def test_uint8_caches_that_are_not_fp8_ds_mla_rows_are_refused(device):
     q = torch.randn(1, 1, 4, 576, dtype=torch.bfloat16, device=device)
     sl = torch.tensor([20], dtype=torch.int32, device=device)
     meta, splits = get_mla_metadata(sl, 4, 1)
-    with pytest.raises(ValueError, match="read as fp8_ds_mla rows"):
+    with pytest.raises(TypeError, match="is no cache format"):
         flash_mla_with_kvcache(q, cache[..., :600], table, sl, 512, meta, splits)
-    with pytest.raises(ValueError, match="read as fp8_ds_mla rows"):
+    with pytest.raises(ValueError, match="fp8_ds_mla rows are uint8"):
         flash_mla_with_kvcache(q.half(), cache, table, sl, 512, meta, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_per_tensor_fp8_decode(dtype, cache_dtype, device):
+    """A per-tensor fp8 cache (e4m3fn codes, one k_scale) against kvgen's decode over the
+    dequantized cache rounded to the queries' dtype once, and the float64 reference."""
+    gen = torch.Generator().manual_seed(3)
+    seqlens, page = [90, 0, 1, 33], 16
+    need = [-(-n // page) for n in seqlens]
+    blocks = sum(need) + 1
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(4, max(need), dtype=torch.int32)
+    for b, nb in enumerate(need):
+        table[b, :nb] = order[sum(need[:b]) : sum(need[:b]) + nb]
+    kv_c = torch.randn(blocks * page, 512, generator=gen).to(dtype)
+    k_pe = torch.randn(blocks * page, 64, generator=gen).to(dtype)
+    k_scale = torch.tensor([0.01], device=device)
+    cache = torch.zeros(blocks, page, 1, 576, dtype=cache_dtype, device=device)
+    slots = torch.arange(blocks * page, device=device)
+    concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slots, "fp8", k_scale)
+    rows = cache.view(torch.uint8).cpu().reshape(-1, 576)
+    deq = mla_cache.dequantize_fp8_per_tensor(rows, k_scale.cpu()).to(dtype)
+    deq = deq.reshape(blocks, page, 1, 576).to(device)
+    q = torch.randn(4, 2, 8, 576, generator=gen).to(dtype).to(device)
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    meta, splits = get_mla_metadata(sl, 16, 1)
+    out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, True, k_scale=k_scale)
+    want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, True)
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
+    finite = torch.isfinite(want_lse)
+    assert (lse[~finite] == math.inf).all()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
+def test_kv_format_arguments(device):
+    cache, table, bf16 = _cache([20], 16, device)
+    q = torch.randn(1, 1, 4, 576, dtype=torch.bfloat16, device=device)
+    sl = torch.tensor([20], dtype=torch.int32, device=device)
+    meta, splits = get_mla_metadata(sl, 4, 1)
+    args = (q, cache, table, sl, 512, meta, splits)
+    # FlashMLA's spelling for the 656-byte record, and the explicit name: the same result
+    a, _ = flash_mla_with_kvcache(*args, is_fp8_kvcache=True)
+    b, _ = flash_mla_with_kvcache(*args, kv_format="fp8_ds_mla")
+    c, _ = flash_mla_with_kvcache(*args)
+    assert torch.equal(a, b) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="is_fp8_kvcache=True is kv_format 'fp8_ds_mla'"):
+        flash_mla_with_kvcache(*args, is_fp8_kvcache=True, kv_format="fp8")
+    with pytest.raises(ValueError, match="does not read MXFP4 caches yet"):
+        flash_mla_with_kvcache(*args, kv_format="mxfp4")
+    with pytest.raises(ValueError, match="kv_format must be one of"):
+        flash_mla_with_kvcache(*args, kv_format="int4")
+    with pytest.raises(TypeError, match="kv_format 'auto'"):
+        flash_mla_with_kvcache(*args, kv_format="auto")
+    fp8 = torch.zeros(2, 16, 1, 576, dtype=torch.float8_e4m3fn, device=device)
+    with pytest.raises(ValueError, match="k_scale .* is needed for fp8"):
+        flash_mla_with_kvcache(q, fp8, table, sl, 512, meta, splits)
+    with pytest.raises(ValueError, match="k_scale must hold one value"):
+        flash_mla_with_kvcache(q, fp8, table, sl, 512, meta, splits, k_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="fp8_ds_mla rows are uint8"):
+        flash_mla_with_kvcache(q, bf16, table, sl, 512, meta, splits, kv_format="fp8_ds_mla")

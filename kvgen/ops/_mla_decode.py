@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from kvgen import _dtypes, runtime
-from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeSpec, widths_problem
+from kvgen.families.mla_decode import (
+    MLADecodeDSMLASpec,
+    MLADecodeFP8Spec,
+    MLADecodeSpec,
+    widths_problem,
+)
 from kvgen.formats.mla_cache import ds_mla_row_bytes
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
@@ -15,32 +20,72 @@ from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 DS_MLA_ROW = ds_mla_row_bytes(512, 64)
 
 
-def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
-    """Every check of the decode that needs no data (the device), or an error."""
+KV_FORMATS = ("auto", "fp8", "fp8_ds_mla", "mxfp4")
+
+
+def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
+    """The cache's format: ``kv_format``, or ("" ) inferred from the cache's dtype and row
+    width; a ValueError / TypeError where the cache, the queries or k_scale do not fit it."""
+    d = q.shape[3]
+    if kv_format == "":
+        if k.dtype == q.dtype:
+            kv_format = "auto"
+        elif k.dtype == torch.uint8 and k.shape[3] == DS_MLA_ROW:
+            kv_format = "fp8_ds_mla"
+        elif k.dtype == torch.float8_e4m3fn or (k.dtype == torch.uint8 and k.shape[3] == d):
+            kv_format = "fp8"
+        else:
+            raise TypeError(
+                f"k_cache {k.dtype} [..., {k.shape[3]}] is no cache format for q {q.dtype} "
+                f"head_dim {d}: q's dtype (kv_format 'auto'), uint8 [..., {DS_MLA_ROW}] "
+                f"('fp8_ds_mla') or float8_e4m3fn / uint8 [..., {d}] ('fp8', with k_scale)"
+            )
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
+    if kv_format == "mxfp4":
+        raise ValueError("kv_format 'mxfp4': the decode does not read MXFP4 caches yet")
+    if kv_format == "auto" and k.dtype != q.dtype:
+        raise TypeError(f"k_cache must have q's dtype {q.dtype} (kv_format 'auto'); got {k.dtype}")
+    if kv_format == "fp8_ds_mla" and (
+        (d, head_dim_v, q.dtype) != (576, 512, torch.bfloat16)
+        or k.dtype != torch.uint8
+        or k.shape[3] != DS_MLA_ROW
+    ):
+        raise ValueError(
+            f"fp8_ds_mla rows are uint8 [..., {DS_MLA_ROW}] bytes read by bf16 queries of "
+            f"head_dim 576 and head_dim_v 512; got k_cache {k.dtype} {tuple(k.shape)}, q "
+            f"{q.dtype} head_dim {d}, head_dim_v {head_dim_v}"
+        )
+    if kv_format == "fp8":
+        if k.dtype not in (torch.uint8, torch.float8_e4m3fn) or k.shape[3] != d:
+            raise ValueError(
+                f"a per-tensor fp8 k_cache is float8_e4m3fn or uint8 [..., {d}]; got "
+                f"{k.dtype} {tuple(k.shape)}"
+            )
+        if k_scale is None:
+            raise ValueError("k_scale (the cache's fp32 per-tensor scale) is needed for fp8")
+        check.dtype("k_scale", k_scale, (torch.float32,))
+        if k_scale.numel() != 1:
+            raise ValueError(f"k_scale must hold one value, got {k_scale.numel()}")
+    return kv_format
+
+
+def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, scale, causal, pages, kv_format, k_scale):
+    """Every check of the decode that needs no data: (device, the cache's format), or an error."""
     check.dtype("q", q, (torch.bfloat16, torch.float16))
     check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
     batch, s_q, h_q, d = q.shape
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
         raise ValueError("q must be contiguous in its last three dimensions")
     check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
-    if k.dtype == torch.uint8:  # fp8_ds_mla: 656-byte rows (docs/formats.md)
-        if (d, head_dim_v, q.dtype) != (576, 512, torch.bfloat16) or k.shape[3] != DS_MLA_ROW:
-            raise ValueError(
-                f"a uint8 k_cache is read as fp8_ds_mla rows: [..., {DS_MLA_ROW}] bytes for "
-                f"bf16 queries of head_dim 576 and head_dim_v 512; got k_cache "
-                f"{tuple(k.shape)}, q {q.dtype} head_dim {d}, head_dim_v {head_dim_v}"
-            )
-    elif k.dtype != q.dtype:
-        raise TypeError(
-            f"k_cache must have q's dtype {q.dtype} (or be uint8 fp8_ds_mla rows); got {k.dtype}"
-        )
+    fmt = _kv_format(q, k, head_dim_v, kv_format, k_scale)
     h_kv = k.shape[2]
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(
             f"num_heads_k (k_cache's dim 2, {h_kv}) must divide num_heads_q ({h_q}): each "
             "query head reads its group's KV head"
         )
-    if k.shape[3] != d and k.dtype != torch.uint8:
+    if k.shape[3] != d and fmt != "fp8_ds_mla":
         raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
     if k.stride(3) != 1:
         raise ValueError("k_cache must be contiguous in head_dim")
@@ -70,7 +115,7 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
             f"num_splits has shape {tuple(ns.shape)}, not [{batch + 1}]: "
             "was the metadata computed for other seqlens?"
         )
-    return check.same_device(
+    tensors = dict(
         q=q,
         k_cache=k,
         block_table=bt,
@@ -78,6 +123,9 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, *flags):
         tile_scheduler_metadata=meta,
         num_splits=ns,
     )
+    if k_scale is not None:
+        tensors["k_scale"] = k_scale
+    return check.same_device(**tensors), fmt
 
 
 def _check_pages(k, bt, sl) -> None:
@@ -96,18 +144,28 @@ def _check_pages(k, bt, sl) -> None:
         )
 
 
-def _run_decode(device, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages):
+def _run_decode(
+    checked, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages, *rest
+):
+    device, fmt = checked
+    k_scale = rest[-1]
     if check_pages:
         _check_pages(k, bt, sl)
     _, s_q, h_q, d = q.shape
     rows = s_q * h_q // k.shape[2]  # a KV head's query rows
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
-    if k.dtype == torch.uint8:
-        spec = MLADecodeDSMLASpec(d, head_dim_v, "bf16", "portable", arch, target)
+    dt = _dtypes.NAME[q.dtype]
+    if fmt == "fp8_ds_mla":
+        spec = MLADecodeDSMLASpec(d, head_dim_v, dt, "portable", arch, target)
+    elif fmt == "fp8":
+        spec = MLADecodeFP8Spec(d, head_dim_v, dt, "portable", arch, target)
+        k = k.view(torch.uint8)
     else:
-        spec = choose(MLADecodeSpec, d, head_dim_v, _dtypes.NAME[q.dtype], arch, target, k, rows)
+        spec = choose(MLADecodeSpec, d, head_dim_v, dt, arch, target, k, rows)
     meta_p = runtime.meta_params(spec, rows=rows)
+    if fmt == "fp8":
+        meta_p["k_scale"] = k_scale
     return module(spec).launch(q, k, bt, sl, meta, ns, scale, causal, **meta_p)
 
 
@@ -120,7 +178,8 @@ def _fake_decode(device, q, k, bt, sl, head_dim_v, *rest):
 _decode_op = define(
     "flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor block_table, "
     "Tensor cache_seqlens, int head_dim_v, Tensor tile_scheduler_metadata, Tensor num_splits, "
-    "float? softmax_scale, bool causal, bool check_block_table) -> (Tensor, Tensor)",
+    "float? softmax_scale, bool causal, bool check_block_table, str kv_format, Tensor? k_scale) "
+    "-> (Tensor, Tensor)",
     _check_decode,
     _run_decode,
     _fake_decode,
@@ -139,6 +198,9 @@ def flash_mla_with_kvcache(
     causal: bool = False,
     *,
     check_block_table: bool = False,
+    kv_format: str | None = None,
+    is_fp8_kvcache: bool = False,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention with FlashMLA's arguments and results.
 
@@ -158,6 +220,12 @@ def flash_mla_with_kvcache(
         softmax_scale: default 1 / sqrt(head_dim).
         causal: the seq_len_q queries are the sequence's last positions (speculative decoding).
         check_block_table: also check that every page a sequence uses exists (costs a sync).
+        kv_format: the cache's format (docs/formats.md): "auto" (q's dtype), "fp8_ds_mla"
+            (uint8, 656-byte rows: 576 / 512, bf16 queries), "fp8" (per tensor: float8_e4m3fn
+            or uint8 codes of every channel, with ``k_scale``); default: inferred from the
+            cache's dtype and row width. ``is_fp8_kvcache=True`` (FlashMLA's spelling) is
+            "fp8_ds_mla". K and V are dequantized on chip, never written back.
+        k_scale: the per-tensor fp8 cache's scale, a 1-element fp32 tensor.
 
     Returns:
         out [batch, seq_len_q, num_heads_q, head_dim_v] (q's dtype) and lse [batch,
@@ -177,6 +245,14 @@ def flash_mla_with_kvcache(
             "num_splits is None: pass get_mla_metadata(cache_seqlens, ...)'s two tensors, or "
             "get_mla_metadata()'s MLASchedMeta"
         )
+    if is_fp8_kvcache:
+        if kv_format not in (None, "fp8_ds_mla"):
+            raise ValueError(f"is_fp8_kvcache=True is kv_format 'fp8_ds_mla', not {kv_format!r}")
+        kv_format = "fp8_ds_mla"
+    if kv_format is not None and not isinstance(kv_format, str):
+        raise TypeError(f"kv_format must be a str, got {type(kv_format).__name__}")
+    if k_scale is not None and not isinstance(k_scale, torch.Tensor):
+        raise TypeError(f"k_scale must be a torch.Tensor, got {type(k_scale).__name__}")
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
     return _decode_op(
@@ -190,4 +266,6 @@ def flash_mla_with_kvcache(
         softmax_scale,
         bool(causal),
         bool(check_block_table),
+        kv_format or "",
+        k_scale,
     )

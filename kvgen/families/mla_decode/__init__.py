@@ -127,3 +127,20 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
     def derived(self) -> dict[str, Any]:
         # chunks of 128 latent channels: one fp32 scale each
         return super().derived() | {"kv_format": "fp8_ds_mla", "chunk": 128, "nchunk": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeFP8Spec(MLADecodeSpec):
+    """The decode over a per-tensor fp8 cache (e4m3fn codes of every channel, one fp32 k_scale
+    for the tensor): K and V dequantized on chip and rounded to the queries' dtype once. The
+    portable variant only, for now."""
+
+    family: ClassVar[str] = "mla_decode_fp8"
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if self.variant != "portable":
+            raise SpecError(f"{self.family}: only the portable variant reads fp8 rows")
+
+    def derived(self) -> dict[str, Any]:
+        return super().derived() | {"kv_format": "fp8"}

@@ -8,6 +8,7 @@ from kvgen.families.mla_decode import (
     VARIANTS,
     WIDTHS,
     MLADecodeDSMLASpec,
+    MLADecodeFP8Spec,
     MLADecodeSpec,
     available,
 )
@@ -72,9 +73,24 @@ class MLADecodeDSMLA(Family):
         return [MLADecodeDSMLASpec(576, 512, "bf16", "portable", arch, target)]
 
     def verify(self, spec, device):
-        from kvgen.families.mla_decode.verify import verify_ds_mla_decode
+        from kvgen.families.mla_decode.verify import verify_quantized_decode
 
-        return verify_ds_mla_decode(spec, device)
+        return verify_quantized_decode(spec, device)
 
 
-FAMILIES = (MLADecode(), MLADecodeDSMLA())
+class MLADecodeFP8(Family):
+    """``flash_mla_with_kvcache`` over a per-tensor fp8 cache (e4m3fn codes of every channel,
+    one k_scale), K and V dequantized on chip; the portable variant."""
+
+    spec_class = MLADecodeFP8Spec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [MLADecodeFP8Spec(576, 512, dt, "portable", arch, target) for dt in ("bf16", "fp16")]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_decode.verify import verify_quantized_decode
+
+        return verify_quantized_decode(spec, device)
+
+
+FAMILIES = (MLADecode(), MLADecodeDSMLA(), MLADecodeFP8())

@@ -82,31 +82,39 @@ def _accepts(module, k_cache, meta_p) -> bool:
     return True
 
 
-def verify_ds_mla_decode(spec, device, seed: int = 0) -> Result:
-    """The decode over fp8_ds_mla rows written by kvgen's store against the float64 reference
-    over the dequantized cache: unequal lengths (0 and 1 included), random page order, causal
-    rows. ``max_error`` is the relative error of ``out``."""
+def verify_quantized_decode(spec, device, seed: int = 0) -> Result:
+    """The decode over a quantized cache (``spec``'s kv_format: fp8_ds_mla or per-tensor fp8)
+    written by kvgen's store, against the float64 reference over the dequantized cache (as the
+    decode reads it: rounded to the queries' dtype): unequal lengths (0 and 1 included), random
+    page order, causal rows. ``max_error`` is the relative error of ``out``."""
     from kvgen.formats import mla_cache
     from kvgen.formats.mla_decode import mla_decode
     from kvgen.ops import concat_and_cache_mla, flash_mla_with_kvcache, get_mla_metadata
 
+    fmt = spec.derived()["kv_format"]
+    dtype = _dtypes.TORCH[spec.dtype]
     gen = torch.Generator().manual_seed(seed)
     seqlens, s_q, h_q, page = [70, 0, 1, 130], 2, 3, 16
     blocks, table = _block_table(seqlens, page, gen)
-    kv_c = torch.randn(blocks * page, 512, generator=gen).to(torch.bfloat16)
-    k_pe = torch.randn(blocks * page, 64, generator=gen).to(torch.bfloat16)
-    cache = torch.zeros(blocks, page, 1, 656, dtype=torch.uint8, device=device)
+    kv_c = torch.randn(blocks * page, 512, generator=gen).to(dtype)
+    k_pe = torch.randn(blocks * page, 64, generator=gen).to(dtype)
+    row = mla_cache.ds_mla_row_bytes() if fmt == "fp8_ds_mla" else 576
+    cache = torch.zeros(blocks, page, 1, row, dtype=torch.uint8, device=device)
     slots = torch.arange(blocks * page, device=device)
-    concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slots, "fp8_ds_mla", slots)
-    deq = mla_cache.dequantize_fp8_ds_mla(cache.cpu().reshape(-1, 656)).reshape(
-        blocks, page, 1, 576
-    )
-    q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(torch.bfloat16)
+    k_scale = torch.tensor([0.02], device=device)
+    concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slots, fmt, k_scale)
+    rows = cache.cpu().reshape(-1, row)
+    if fmt == "fp8_ds_mla":
+        deq = mla_cache.dequantize_fp8_ds_mla(rows)
+    else:
+        deq = mla_cache.dequantize_fp8_per_tensor(rows, k_scale.cpu())
+    deq = deq.to(dtype).reshape(blocks, page, 1, 576)
+    q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(dtype)
     sl = torch.tensor(seqlens, dtype=torch.int32)
     meta, splits = get_mla_metadata(sl.to(device), s_q * h_q, 1)
-    out, lse = flash_mla_with_kvcache(
-        q.to(device), cache, table.to(device), sl.to(device), 512, meta, splits, causal=True
-    )
+    scale = k_scale if fmt == "fp8" else None
+    args = (q.to(device), cache, table.to(device), sl.to(device), 512, meta, splits)
+    out, lse = flash_mla_with_kvcache(*args, causal=True, kv_format=fmt, k_scale=scale)
     ref_out, ref_lse = mla_decode(q, deq.double(), table, sl, 512, causal=True)
     rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
     finite = torch.isfinite(ref_lse)
