@@ -15,7 +15,12 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
 from kvgen.families.mla_cache import ConcatAndCacheMLASpec  # noqa: E402
-from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeFP8Spec, MLADecodeSpec  # noqa: E402
+from kvgen.families.mla_decode import (  # noqa: E402
+    MLADecodeDSMLASpec,
+    MLADecodeFP8Spec,
+    MLADecodeMXFP4Spec,
+    MLADecodeSpec,
+)
 from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec  # noqa: E402
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec  # noqa: E402
 
@@ -110,9 +115,11 @@ for spec in (
     for tokens in (1, 4):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens})
 
-for ds, bh, bn in [
-    (MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))
-] + [(MLADecodeFP8Spec(576, 512, dt), 16, 32) for dt in ("bf16", "fp16")]:
+for ds, bh, bn in (
+    [(MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))]
+    + [(MLADecodeFP8Spec(576, 512, dt), 16, 32) for dt in ("bf16", "fp16")]
+    + [(MLADecodeMXFP4Spec(d, 512, "bf16"), 16, 32) for d in (576, 512)]
+):
     types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}
     types |= {"q_ptr": PTR[ds.dtype], "k_ptr": "*u8", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}
     types["k_scale_ptr"] = "*fp32"

@@ -59,6 +59,7 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
         "concat_and_cache_mla",
         "mla_decode_fp8_ds_mla",
         "mla_decode_fp8",
+        "mla_decode_mxfp4",
     }
     for spec in specs:
         assert type(spec)(**spec.fields()) == spec

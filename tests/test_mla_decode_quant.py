@@ -104,8 +104,10 @@ def test_per_tensor_fp8_decode(dtype, cache_dtype, device):
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
     table = table.to(device)
     meta, splits = get_mla_metadata(sl, 16, 1)
-    out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, True, k_scale=k_scale)
-    want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, True)
+    out, lse = flash_mla_with_kvcache(
+        q, cache, table, sl, 512, meta, splits, causal=True, k_scale=k_scale
+    )
+    want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
     assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
     finite = torch.isfinite(want_lse)
     assert (lse[~finite] == math.inf).all()
@@ -125,7 +127,7 @@ def test_kv_format_arguments(device):
     assert torch.equal(a, b) and torch.equal(a, c)
     with pytest.raises(ValueError, match="is_fp8_kvcache=True is kv_format 'fp8_ds_mla'"):
         flash_mla_with_kvcache(*args, is_fp8_kvcache=True, kv_format="fp8")
-    with pytest.raises(ValueError, match="does not read MXFP4 caches yet"):
+    with pytest.raises(ValueError, match=r"MXFP4 rows \(group 32\) are uint8 \[..., 400\]"):
         flash_mla_with_kvcache(*args, kv_format="mxfp4")
     with pytest.raises(ValueError, match="kv_format must be one of"):
         flash_mla_with_kvcache(*args, kv_format="int4")
@@ -138,3 +140,48 @@ def test_kv_format_arguments(device):
         flash_mla_with_kvcache(q, fp8, table, sl, 512, meta, splits, k_scale=torch.ones(2))
     with pytest.raises(ValueError, match="fp8_ds_mla rows are uint8"):
         flash_mla_with_kvcache(q, bf16, table, sl, 512, meta, splits, kv_format="fp8_ds_mla")
+
+
+@pytest.mark.parametrize("d", [576, 512])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_decode(d, dtype, device):
+    """MXFP4 rows (group 32; 576 / 512 with the RoPE part as bf16, 400 bytes, or the seed's
+    rope-free 272-byte rows for 512 / 512) against kvgen's decode over the dequantized cache
+    (exact in bf16) and the float64 reference; blocks further apart than a page."""
+    from kvgen.formats import mxfp4
+
+    gen = torch.Generator().manual_seed(d)
+    seqlens, page = [70, 0, 1, 130], 32
+    need = [-(-n // page) for n in seqlens]
+    blocks = sum(need) + 1
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(4, max(need), dtype=torch.int32)
+    for b, nb in enumerate(need):
+        table[b, :nb] = order[sum(need[:b]) : sum(need[:b]) + nb]
+    kv_c = torch.randn(blocks * page, 512, generator=gen)
+    kv_c[:, 9] *= 25.0
+    if d == 576:
+        k_pe = torch.randn(blocks * page, 64, generator=gen).to(torch.bfloat16)
+        rows = mla_cache.quantize_mxfp4_rope(kv_c.to(torch.bfloat16), k_pe)
+        deq = mla_cache.dequantize_mxfp4_rope(rows)
+    else:
+        rows = mxfp4.quantize_rows(kv_c, 32)
+        deq = mxfp4.dequantize_rows(rows, 512, 32)
+    assert rows.shape[1] == (400 if d == 576 else 272)
+    mem = torch.zeros(blocks, page + 2, 1, rows.shape[1], dtype=torch.uint8)
+    mem[:, :page] = rows.reshape(blocks, page, 1, -1)
+    cache = mem.to(device)[:, :page]
+    ref_cache = deq.reshape(blocks, page, 1, d).to(dtype).to(device)
+    assert torch.equal(ref_cache.float().cpu(), deq.reshape(blocks, page, 1, d))  # exact
+    q = torch.randn(4, 2, 6, d, generator=gen).to(dtype).to(device)
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    meta, splits = get_mla_metadata(sl, 12, 1)
+    out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, causal=True)
+    want, want_lse = flash_mla_with_kvcache(q, ref_cache, table, sl, 512, meta, splits, causal=True)
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
+    finite = torch.isfinite(want_lse)
+    assert (lse[~finite] == math.inf).all()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    ref, _ = mla_decode(q.cpu(), ref_cache.cpu().double(), table.cpu(), sl.cpu(), 512, None, True)
+    assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2

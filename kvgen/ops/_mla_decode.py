@@ -8,16 +8,22 @@ from kvgen import _dtypes, runtime
 from kvgen.families.mla_decode import (
     MLADecodeDSMLASpec,
     MLADecodeFP8Spec,
+    MLADecodeMXFP4Spec,
     MLADecodeSpec,
     widths_problem,
 )
-from kvgen.formats.mla_cache import ds_mla_row_bytes
+from kvgen.formats.mla_cache import ds_mla_row_bytes, mxfp4_rope_row_bytes
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import choose, module
 from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 
 DS_MLA_ROW = ds_mla_row_bytes(512, 64)
+
+
+def _mxfp4_row(d: int, dv: int) -> int:
+    """Bytes of an MXFP4 row (group 32) of latent ``dv`` with the RoPE part (d - dv) as bf16."""
+    return mxfp4_rope_row_bytes(dv, 32, d - dv)
 
 
 KV_FORMATS = ("auto", "fp8", "fp8_ds_mla", "mxfp4")
@@ -32,6 +38,8 @@ def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
             kv_format = "auto"
         elif k.dtype == torch.uint8 and k.shape[3] == DS_MLA_ROW:
             kv_format = "fp8_ds_mla"
+        elif k.dtype == torch.uint8 and k.shape[3] == _mxfp4_row(d, head_dim_v):
+            kv_format = "mxfp4"
         elif k.dtype == torch.float8_e4m3fn or (k.dtype == torch.uint8 and k.shape[3] == d):
             kv_format = "fp8"
         else:
@@ -42,8 +50,16 @@ def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
             )
     if kv_format not in KV_FORMATS:
         raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-    if kv_format == "mxfp4":
-        raise ValueError("kv_format 'mxfp4': the decode does not read MXFP4 caches yet")
+    if kv_format == "mxfp4" and (
+        (d, head_dim_v) not in ((576, 512), (512, 512))
+        or k.dtype != torch.uint8
+        or k.shape[3] != _mxfp4_row(d, head_dim_v)
+    ):
+        raise ValueError(
+            f"MXFP4 rows (group 32) are uint8 [..., {_mxfp4_row(d, head_dim_v)}] bytes for "
+            f"head_dim {d} / head_dim_v {head_dim_v} (576 / 512 with bf16 RoPE, or 512 / 512); "
+            f"got k_cache {k.dtype} {tuple(k.shape)}"
+        )
     if kv_format == "auto" and k.dtype != q.dtype:
         raise TypeError(f"k_cache must have q's dtype {q.dtype} (kv_format 'auto'); got {k.dtype}")
     if kv_format == "fp8_ds_mla" and (
@@ -85,7 +101,7 @@ def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, scale, causal, pages, kv_f
             f"num_heads_k (k_cache's dim 2, {h_kv}) must divide num_heads_q ({h_q}): each "
             "query head reads its group's KV head"
         )
-    if k.shape[3] != d and fmt != "fp8_ds_mla":
+    if k.shape[3] != d and fmt not in ("fp8_ds_mla", "mxfp4"):
         raise ValueError(f"head_dim mismatch: q has {d}, k_cache has {k.shape[3]}")
     if k.stride(3) != 1:
         raise ValueError("k_cache must be contiguous in head_dim")
@@ -158,6 +174,8 @@ def _run_decode(
     dt = _dtypes.NAME[q.dtype]
     if fmt == "fp8_ds_mla":
         spec = MLADecodeDSMLASpec(d, head_dim_v, dt, "portable", arch, target)
+    elif fmt == "mxfp4":
+        spec = MLADecodeMXFP4Spec(d, head_dim_v, dt, "portable", arch, target)
     elif fmt == "fp8":
         spec = MLADecodeFP8Spec(d, head_dim_v, dt, "portable", arch, target)
         k = k.view(torch.uint8)
@@ -224,7 +242,9 @@ def flash_mla_with_kvcache(
             (uint8, 656-byte rows: 576 / 512, bf16 queries), "fp8" (per tensor: float8_e4m3fn
             or uint8 codes of every channel, with ``k_scale``); default: inferred from the
             cache's dtype and row width. ``is_fp8_kvcache=True`` (FlashMLA's spelling) is
-            "fp8_ds_mla". K and V are dequantized on chip, never written back.
+            "fp8_ds_mla". "mxfp4": uint8 MXFP4 rows (group 32) with the RoPE part as bf16
+            (400 bytes for 576 / 512; 272 for the rope-free 512 / 512). K and V are
+            dequantized on chip, never written back.
         k_scale: the per-tensor fp8 cache's scale, a 1-element fp32 tensor.
 
     Returns:

@@ -144,3 +144,23 @@ class MLADecodeFP8Spec(MLADecodeSpec):
 
     def derived(self) -> dict[str, Any]:
         return super().derived() | {"kv_format": "fp8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeMXFP4Spec(MLADecodeSpec):
+    """The decode over MXFP4 rows (group 32, docs/formats.md): the latent's E2M1 codes and E8M0
+    scales, then the RoPE part as bf16 (576 / 512: 400-byte rows) or none (512 / 512: the seed's
+    272-byte rows). K and V are dequantized on chip (exact in bf16). The portable variant."""
+
+    family: ClassVar[str] = "mla_decode_mxfp4"
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if (self.head_dim, self.head_dim_v) not in ((576, 512), (512, 512)):
+            raise SpecError(f"{self.family}: MXFP4 rows are 576 / 512 or 512 / 512")
+        if self.variant != "portable":
+            raise SpecError(f"{self.family}: only the portable variant reads MXFP4 rows")
+
+    def derived(self) -> dict[str, Any]:
+        chunks = self.head_dim_v // 128  # 128 latent channels: 64 code bytes, 4 scale bytes
+        return super().derived() | {"kv_format": "mxfp4", "chunk": 128, "nchunk": chunks}

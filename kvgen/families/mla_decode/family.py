@@ -9,6 +9,7 @@ from kvgen.families.mla_decode import (
     WIDTHS,
     MLADecodeDSMLASpec,
     MLADecodeFP8Spec,
+    MLADecodeMXFP4Spec,
     MLADecodeSpec,
     available,
 )
@@ -93,4 +94,23 @@ class MLADecodeFP8(Family):
         return verify_quantized_decode(spec, device)
 
 
-FAMILIES = (MLADecode(), MLADecodeDSMLA(), MLADecodeFP8())
+class MLADecodeMXFP4(Family):
+    """``flash_mla_with_kvcache`` over MXFP4 rows (group 32, RoPE as bf16 or none), K and V
+    dequantized on chip; the portable variant."""
+
+    spec_class = MLADecodeMXFP4Spec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            MLADecodeMXFP4Spec(d, 512, dt, "portable", arch, target)
+            for d in (576, 512)
+            for dt in ("bf16", "fp16")
+        ]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_decode.verify import verify_mxfp4_decode
+
+        return verify_mxfp4_decode(spec, device)
+
+
+FAMILIES = (MLADecode(), MLADecodeDSMLA(), MLADecodeFP8(), MLADecodeMXFP4())

@@ -116,6 +116,11 @@ def verify_quantized_decode(spec, device, seed: int = 0) -> Result:
     args = (q.to(device), cache, table.to(device), sl.to(device), 512, meta, splits)
     out, lse = flash_mla_with_kvcache(*args, causal=True, kv_format=fmt, k_scale=scale)
     ref_out, ref_lse = mla_decode(q, deq.double(), table, sl, 512, causal=True)
+    return _compare(spec, out, lse, ref_out, ref_lse)
+
+
+def _compare(spec, out, lse, ref_out, ref_lse) -> Result:
+    """out within 1e-2 (relative), lse within 1e-3, +inf for the rows that see no key."""
     rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
     finite = torch.isfinite(ref_lse)
     lse_err = float((lse.cpu().double()[finite] - ref_lse[finite]).abs().max())
@@ -123,3 +128,35 @@ def verify_quantized_decode(spec, device, seed: int = 0) -> Result:
     passed = rel < 1e-2 and lse_err < 1e-3 and empty_ok
     detail = "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}"
     return Result(spec.name, passed, 0 if passed else 1, rel, detail)
+
+
+def verify_mxfp4_decode(spec, device, seed: int = 0) -> Result:
+    """The decode over MXFP4 rows (the reference quantizer's bytes: kvgen's MXFP4 store writes
+    the rope-free row byte for byte) against the float64 reference over the dequantized cache:
+    unequal lengths (0 and 1 included), random page order, causal rows."""
+    from kvgen.formats import mla_cache, mxfp4
+    from kvgen.formats.mla_decode import mla_decode
+    from kvgen.ops import flash_mla_with_kvcache, get_mla_metadata
+
+    dtype = _dtypes.TORCH[spec.dtype]
+    rope = spec.head_dim - spec.head_dim_v
+    gen = torch.Generator().manual_seed(seed)
+    seqlens, s_q, h_q, page = [70, 0, 1, 130], 2, 3, 16
+    blocks, table = _block_table(seqlens, page, gen)
+    kv_c = torch.randn(blocks * page, 512, generator=gen).to(dtype)
+    if rope:
+        k_pe = torch.randn(blocks * page, rope, generator=gen).to(dtype)
+        rows = mla_cache.quantize_mxfp4_rope(kv_c, k_pe)
+        deq = mla_cache.dequantize_mxfp4_rope(rows)
+    else:
+        rows = mxfp4.quantize_rows(kv_c, 32)
+        deq = mxfp4.dequantize_rows(rows, 512, 32)
+    cache = rows.reshape(blocks, page, 1, -1).to(device)
+    deq = deq.to(dtype).reshape(blocks, page, 1, spec.head_dim)
+    q = torch.randn(len(seqlens), s_q, h_q, spec.head_dim, generator=gen).to(dtype)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    meta, splits = get_mla_metadata(sl.to(device), s_q * h_q, 1)
+    args = (q.to(device), cache, table.to(device), sl.to(device), 512, meta, splits)
+    out, lse = flash_mla_with_kvcache(*args, causal=True, kv_format="mxfp4")
+    ref_out, ref_lse = mla_decode(q, deq.double(), table, sl, 512, causal=True)
+    return _compare(spec, out, lse, ref_out, ref_lse)
