@@ -185,3 +185,29 @@ def test_mxfp4_decode(d, dtype, device):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
     ref, _ = mla_decode(q.cpu(), ref_cache.cpu().double(), table.cpu(), sl.cpu(), 512, None, True)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2
+
+
+def test_the_bench_caches_are_the_formats_and_the_op_reads_them(device):
+    """kvgen bench's quantized caches of one bf16 cache (written by kvgen's stores) hold each
+    format's bytes, and the op over each matches the reference over its dequantized cache."""
+    from kvgen.bench import decode
+
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(3, 16, 1, 576, generator=gen).to(torch.bfloat16).to(device)
+    k_scale = torch.tensor([decode.K_SCALE], device=device)
+    caches = decode.quantized_caches(k, k_scale)
+    flat = k.reshape(-1, 576).cpu()
+    want_mx = mla_cache.quantize_mxfp4_rope(flat[:, :512], flat[:, 512:])
+    assert torch.equal(caches["mxfp4"].reshape(-1, 400).cpu(), want_mx)
+    want_ds = mla_cache.quantize_fp8_ds_mla(flat[:, :512], flat[:, 512:])
+    assert torch.equal(caches["fp8_ds_mla"].reshape(-1, 656).cpu(), want_ds)
+    table = torch.tensor([[2, 0, 1], [1, 2, 0]], dtype=torch.int32, device=device)
+    sl = torch.tensor([40, 7], dtype=torch.int32, device=device)
+    q = torch.randn(2, 1, 4, 576, generator=gen).to(torch.bfloat16).to(device)
+    meta, splits = get_mla_metadata(sl, 4, 1)
+    for fmt, cache in caches.items():
+        assert cache.shape[-1] == decode.ROW_BYTES[fmt]
+        deq = decode.dequantized(fmt, cache, k_scale)
+        out, _ = decode._quantized_caller(cache, fmt, k_scale)(q, table, sl, meta, splits)
+        ref, _ = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
+        assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2, fmt

@@ -13,6 +13,9 @@ from kvgen.bench import harness
 
 BATCH, PAGE, SEQLEN, HEAD_DIM, HEAD_DIM_V = 128, 64, 4096, 576, 512
 HEADS = (16, 32, 64, 128)
+#: the quantized MLA caches the op reads, and the bytes of a token's row in each
+ROW_BYTES = {"bf16": 2 * HEAD_DIM, "fp8_ds_mla": 656, "fp8": HEAD_DIM, "mxfp4": 400}
+K_SCALE = 0.01  # the per-tensor fp8 cache's scale (the bench's keys are N(0, 1))
 
 
 @dataclasses.dataclass
@@ -28,6 +31,9 @@ class DecodeRow:
     bw_ratio: float
     mm_ratio: float
     correct: bool
+    kv_format: str = "bf16"
+    bytes_per_token: int = 2 * HEAD_DIM
+    vs_bf16: float | None = None  # time / the op's time over the bf16 cache, same run
 
 
 def matmul_rate(device, n: int = 8192) -> float:
@@ -96,9 +102,47 @@ def _callers(device, k):
     return out
 
 
-def _row(label, name, lengths, h, t, ok, copy_bw, mm_rate) -> DecodeRow:
+def quantized_caches(k: torch.Tensor, k_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The bf16 cache ``k`` [blocks, page, 1, 576] in each quantized format, written by kvgen's
+    own stores: fp8_ds_mla and per-tensor fp8 by ``concat_and_cache_mla``; MXFP4 (group 32,
+    bf16 RoPE) by ``store_mxfp4_mla`` for the latent with the RoPE bytes after it."""
+    from kvgen.ops import concat_and_cache_mla, store_mxfp4_mla
+
+    blocks, page = k.shape[:2]
+    flat = k.reshape(-1, HEAD_DIM)
+    kv_c, k_pe = flat[:, :HEAD_DIM_V], flat[:, HEAD_DIM_V:]
+    slots = torch.arange(flat.shape[0], device=k.device)
+    out = {}
+    for fmt in ("fp8_ds_mla", "fp8"):
+        c = torch.empty(blocks, page, 1, ROW_BYTES[fmt], dtype=torch.uint8, device=k.device)
+        concat_and_cache_mla(kv_c, k_pe, c, slots, fmt, k_scale)
+        out[fmt] = c
+    latent = torch.empty(
+        flat.shape[0], ROW_BYTES["mxfp4"] - 128, dtype=torch.uint8, device=k.device
+    )
+    store_mxfp4_mla(kv_c, slots, latent)
+    rope = k_pe.contiguous().view(torch.uint8)
+    out["mxfp4"] = torch.cat([latent, rope], dim=1).reshape(blocks, page, 1, ROW_BYTES["mxfp4"])
+    return out
+
+
+def dequantized(fmt: str, cache: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """What the decode attends over for a quantized ``cache``: [blocks, page, 1, 576] bf16."""
+    from kvgen.formats import mla_cache
+
+    rows = cache.reshape(-1, cache.shape[-1])
+    if fmt == "fp8_ds_mla":
+        deq = mla_cache.dequantize_fp8_ds_mla(rows)
+    elif fmt == "fp8":
+        deq = mla_cache.dequantize_fp8_per_tensor(rows, k_scale)
+    else:
+        deq = mla_cache.dequantize_mxfp4_rope(rows)
+    return deq.to(torch.bfloat16).reshape(*cache.shape[:3], HEAD_DIM)
+
+
+def _row(label, name, lengths, h, t, ok, copy_bw, mm_rate, fmt="bf16") -> DecodeRow:
     total = sum(lengths)
-    kv_bytes = total * HEAD_DIM * 2
+    kv_bytes = total * ROW_BYTES[fmt]
     flops = 2 * h * total * (HEAD_DIM + HEAD_DIM_V)
     return DecodeRow(
         label,
@@ -112,7 +156,22 @@ def _row(label, name, lengths, h, t, ok, copy_bw, mm_rate) -> DecodeRow:
         kv_bytes / (t * 1e-6) / copy_bw,
         flops / (t * 1e-6) / mm_rate,
         ok,
+        fmt,
+        ROW_BYTES[fmt],
     )
+
+
+def _quantized_caller(cache, fmt, k_scale):
+    from kvgen.ops import flash_mla_with_kvcache
+
+    scale = k_scale if fmt == "fp8" else None
+
+    def call(q, table, sl, meta, splits):
+        return flash_mla_with_kvcache(
+            q, cache, table, sl, HEAD_DIM_V, meta, splits, kv_format=fmt, k_scale=scale
+        )
+
+    return call
 
 
 def _graph_us(call, args) -> float:
@@ -130,7 +189,9 @@ def _correct(call, q, table, sl, h, ref) -> bool:
 
 
 def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> list[DecodeRow]:
-    """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches.
+    """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches, and
+    the op over each quantized cache of the same keys (``auto fp8_ds_mla``, ...), with its time
+    relative to the op's over the bf16 cache.
 
     Each caller is timed once a round, as many rounds as callers, the order rotated each round,
     and its median kept; each timing starts after the graph has run for a while on its own
@@ -150,18 +211,28 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
             q, k, table, sl = _make(lengths, h, device)
             sub = slice(0, 3)  # the float64 reference runs on the CPU: a few sequences
             ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
-            callers = _callers(device, k)
+            callers = [(label, call, "bf16", ref) for label, call in _callers(device, k)]
+            k_scale = torch.tensor([K_SCALE], device=device)
+            for fmt, cache in quantized_caches(k, k_scale).items():
+                deq = dequantized(fmt, cache, k_scale)
+                fmt_ref, _ = mla_decode(
+                    q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
+                )  # (over the dequantized cache: what the op attends over)
+                callers.append(
+                    (f"auto {fmt}", _quantized_caller(cache, fmt, k_scale), fmt, fmt_ref)
+                )
             meta, splits = get_mla_metadata(sl, h, 1)
             args = (q, table, sl, meta, splits)
-            times = {label: [] for label, _ in callers}
+            times = {label: [] for label, *_ in callers}
             for r in range(len(callers)):
-                for label, call in callers[r:] + callers[:r]:
+                for label, call, *_ in callers[r:] + callers[:r]:
                     times[label].append(_graph_us(call, args))
-            for label, call in callers:
-                ok = _correct(call, q, table, sl, h, ref)
-                row = _row(
-                    label, name, lengths, h, statistics.median(times[label]), ok, copy_bw, mm_rate
-                )
+            bf16_time = statistics.median(times["auto"])
+            for label, call, fmt, fmt_ref in callers:
+                ok = _correct(call, q, table, sl, h, fmt_ref)
+                t = statistics.median(times[label])
+                row = _row(label, name, lengths, h, t, ok, copy_bw, mm_rate, fmt)
+                row.vs_bf16 = t / bf16_time
                 rows.append(row)
                 if progress:
                     progress(row)

@@ -80,6 +80,8 @@ FIELDS: dict[str, tuple[str, Callable[[Any], str | Text], bool]] = {
     "copy_graph_us": ("copy us", _fixed(".2f"), True),
     "latency_ratio": ("x copy time", _fixed(".2f"), True),
     "correct": ("ok", ok, True),
+    "kv_format": ("cache", str, False),
+    "vs_bf16": ("x bf16 time", lambda v: "" if v is None else f"{v:.2f}", True),
     # kvgen verify --accuracy
     "format": ("format", str, False),
     "bytes_per_token": ("bytes / token", str, True),
@@ -146,11 +148,13 @@ DECODE_KEYS = (
     "variant",
     "lengths",
     "heads",
+    "bytes_per_token",
     "graph_us",
     "gbps",
     "tflops",
     "bw_ratio",
     "mm_ratio",
+    "vs_bf16",
     "correct",
 )
 SHOW_KEYS = ("variant", "bucket", "meta", "time_us", "default_time_us", "speedup", "used")
