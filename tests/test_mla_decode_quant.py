@@ -11,18 +11,33 @@ from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import concat_and_cache_mla, flash_mla_with_kvcache, get_mla_metadata
 
 
+def _table(seqlens, page, gen):
+    """(pages, block table): each sequence's pages in random order, a spare page, and the
+    entries past a sequence's pages set to FlashMLA's unused-entry value 2147480000 (never a
+    page: the decode must not read them)."""
+    need = [-(-n // page) for n in seqlens]
+    blocks = sum(need) + 1
+    order = torch.randperm(blocks, generator=gen).to(torch.int32)
+    table = torch.full((len(seqlens), max(need) + 1), 2147480000, dtype=torch.int32)
+    for b, nb in enumerate(need):
+        table[b, :nb] = order[sum(need[:b]) : sum(need[:b]) + nb]
+    return blocks, table
+
+
+def _assert_matches(out, lse, want, want_lse):
+    """``out`` / ``lse`` against kvgen's decode over the dequantized cache: out within 2e-3
+    (relative), lse within 1e-3, +inf lse and zero out for the rows that see no key."""
+    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
+    finite = torch.isfinite(want_lse)
+    assert (lse[~finite] == math.inf).all() and (out.float()[(~finite).permute(0, 2, 1)] == 0).all()
+    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+
+
 def _cache(seqlens, page, device, seed=0, extra_rows=0):
     """A fp8_ds_mla cache filled by concat_and_cache_mla (pages in random order, blocks
     ``extra_rows`` further apart than a page), its table and the dequantized bf16 cache."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // page) for n in seqlens]
-    blocks = sum(need) + 2
-    order = torch.randperm(blocks, generator=gen).to(torch.int32)
-    table = torch.full((len(seqlens), max(max(need), 1) + 1), 2147480000, dtype=torch.int32)
-    i = 0
-    for b, nb in enumerate(need):
-        table[b, :nb] = order[i : i + nb]
-        i += nb
+    blocks, table = _table(seqlens, page, gen)
     kv_c = torch.randn(blocks * page, 512, generator=gen)
     kv_c[:, 5] *= 30.0  # an outlier channel
     k_pe = torch.randn(blocks * page, 64, generator=gen)
@@ -56,11 +71,7 @@ def test_fp8_ds_mla_decode_matches_the_bf16_decode_of_the_dequantized_cache(
     meta, splits = get_mla_metadata(sl, s_q * h_q, 1)
     out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, causal=causal)
     want, want_lse = flash_mla_with_kvcache(q, bf16, table, sl, 512, meta, splits, causal=causal)
-    rel = (out.float() - want.float()).norm() / want.float().norm()
-    assert rel < 2e-3, float(rel)
-    finite = torch.isfinite(want_lse)
-    assert (lse[~finite] == math.inf).all() and (out.float()[(~finite).permute(0, 2, 1)] == 0).all()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    _assert_matches(out, lse, want, want_lse)
     ref, ref_lse = mla_decode(
         q.cpu(), bf16.cpu().double(), table.cpu(), sl.cpu(), 512, None, causal
     )
@@ -85,12 +96,7 @@ def test_per_tensor_fp8_decode(dtype, cache_dtype, device):
     dequantized cache rounded to the queries' dtype once, and the float64 reference."""
     gen = torch.Generator().manual_seed(3)
     seqlens, page = [90, 0, 1, 33], 16
-    need = [-(-n // page) for n in seqlens]
-    blocks = sum(need) + 1
-    order = torch.randperm(blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(4, max(need), dtype=torch.int32)
-    for b, nb in enumerate(need):
-        table[b, :nb] = order[sum(need[:b]) : sum(need[:b]) + nb]
+    blocks, table = _table(seqlens, page, gen)
     kv_c = torch.randn(blocks * page, 512, generator=gen).to(dtype)
     k_pe = torch.randn(blocks * page, 64, generator=gen).to(dtype)
     k_scale = torch.tensor([0.01], device=device)
@@ -108,10 +114,7 @@ def test_per_tensor_fp8_decode(dtype, cache_dtype, device):
         q, cache, table, sl, 512, meta, splits, causal=True, k_scale=k_scale
     )
     want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
-    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
-    finite = torch.isfinite(want_lse)
-    assert (lse[~finite] == math.inf).all()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    _assert_matches(out, lse, want, want_lse)
 
 
 def test_kv_format_arguments(device):
@@ -152,12 +155,7 @@ def test_mxfp4_decode(d, dtype, device):
 
     gen = torch.Generator().manual_seed(d)
     seqlens, page = [70, 0, 1, 130], 32
-    need = [-(-n // page) for n in seqlens]
-    blocks = sum(need) + 1
-    order = torch.randperm(blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(4, max(need), dtype=torch.int32)
-    for b, nb in enumerate(need):
-        table[b, :nb] = order[sum(need[:b]) : sum(need[:b]) + nb]
+    blocks, table = _table(seqlens, page, gen)
     kv_c = torch.randn(blocks * page, 512, generator=gen)
     kv_c[:, 9] *= 25.0
     if d == 576:
@@ -179,10 +177,7 @@ def test_mxfp4_decode(d, dtype, device):
     meta, splits = get_mla_metadata(sl, 12, 1)
     out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, causal=True)
     want, want_lse = flash_mla_with_kvcache(q, ref_cache, table, sl, 512, meta, splits, causal=True)
-    assert (out.float() - want.float()).norm() / want.float().norm() < 2e-3
-    finite = torch.isfinite(want_lse)
-    assert (lse[~finite] == math.inf).all()
-    assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
+    _assert_matches(out, lse, want, want_lse)
     ref, _ = mla_decode(q.cpu(), ref_cache.cpu().double(), table.cpu(), sl.cpu(), 512, None, True)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2
 

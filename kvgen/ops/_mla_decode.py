@@ -161,10 +161,9 @@ def _check_pages(k, bt, sl) -> None:
 
 
 def _run_decode(
-    checked, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages, *rest
+    checked, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages, _, k_scale
 ):
-    device, fmt = checked
-    k_scale = rest[-1]
+    device, fmt = checked  # (fmt: the kv_format argument, resolved by the check)
     if check_pages:
         _check_pages(k, bt, sl)
     _, s_q, h_q, d = q.shape
