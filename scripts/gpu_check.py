@@ -8,11 +8,15 @@ import torch
 
 from kvgen import registry, runtime
 from kvgen.codegen import load
+from kvgen.families.mla_cache.verify import edge_case_rows
+from kvgen.families.mla_cache.verify import make_cache as make_mla_cache
 from kvgen.families.per_token_head.verify import make_kv_caches
-from kvgen.formats import mxfp4
+from kvgen.formats import mla_cache, mxfp4
 from kvgen.formats import per_token_head as pth
 from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import (
+    concat_and_cache_mla,
+    flash_mla_with_kvcache,
     gather_kv_per_token_head,
     gather_mxfp4_mla,
     get_mla_metadata,
@@ -75,6 +79,49 @@ def per_token_head_stores() -> None:
         gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size, spec.head_size_v)
 
 
+def mla_cache_stores() -> None:
+    for spec in registry.variants(*runtime.local_target(), family="concat_and_cache_mla"):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        kv_c, k_pe = edge_case_rows(23, 512, 64, dtype[spec.in_dtype], seed=5)
+        cache = make_mla_cache(spec, 3, DEV)
+        want = cache.backing.cpu().clone()
+        slots = make_slots(23, 3 * 16, DEV, dtype=torch.int32, seed=5)
+        scale = torch.tensor([0.05], device=DEV)
+        concat_and_cache_mla(kv_c.to(DEV), k_pe.to(DEV), cache.view, slots, spec.fmt, scale)
+        mla_cache.store(kv_c, k_pe, cache.rebuild(want), slots.cpu(), spec.fmt, scale.cpu())
+        check(spec.name, torch.equal(cache.backing.cpu(), want))
+
+
+def quantized_decodes() -> None:
+    """The decode over each quantized cache (written by kvgen's stores) against the bf16
+    decode over its dequantized cache; pages in random order, key-less and one-key rows."""
+    from kvgen.bench.decode import K_SCALE, dequantized, quantized_caches
+
+    lengths, page = [70, 0, 1, 130], 64
+    need = [-(-n // page) for n in lengths]
+    blocks = sum(need) + 2
+    k = torch.randn(blocks, page, 1, 576, device=DEV).to(torch.bfloat16)
+    table = torch.full((len(lengths), max(need) + 1), 2147480000, dtype=torch.int32, device=DEV)
+    pages = torch.randperm(blocks, device=DEV).to(torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb]
+        i += nb
+    sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    k_scale = torch.tensor([K_SCALE], device=DEV)
+    for h_q in (16, 128):
+        q = torch.randn(len(lengths), 2, h_q, 576, device=DEV).to(torch.bfloat16)
+        meta, splits = get_mla_metadata(sl, 2 * h_q, 1)
+        for fmt, cache in quantized_caches(k, k_scale).items():
+            out, _ = flash_mla_with_kvcache(
+                q, cache, table, sl, 512, meta, splits, causal=True, k_scale=k_scale
+            )
+            deq = dequantized(fmt, cache, k_scale)
+            want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
+            rel = float((out.float() - want.float()).norm() / want.float().norm())
+            check(f"flash_mla_with_kvcache {fmt} h_q={h_q}", rel < 2e-3)
+
+
 def decodes() -> None:
     for spec in registry.variants(*runtime.local_target(), family="mla_decode"):
         if spec.dtype != "bf16":
@@ -109,6 +156,8 @@ def decode(spec, h_kv: int) -> None:
 if __name__ == "__main__":
     mxfp4_store_and_gather()
     per_token_head_stores()
+    mla_cache_stores()
     decodes()
+    quantized_decodes()
     print(f"{len(failures)} failed" if failures else "all ok")
     sys.exit(1 if failures else 0)

@@ -54,17 +54,19 @@ def mixed_lengths(total: int, batch: int, seed: int = 0) -> list[int]:
     return [int(x) for x in lengths.clamp(1, 16384)]
 
 
-def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0):
+def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
+    """(q, k_cache, block_table, cache_seqlens): ``heads`` query heads for each of ``h_kv`` KV
+    heads, each sequence's pages in random order."""
     need = [cdiv(n, PAGE) for n in lengths]
     blocks = sum(need)
-    k_cache = torch.randn(blocks, PAGE, 1, HEAD_DIM, device=device, dtype=dtype)
+    k_cache = torch.randn(blocks, PAGE, h_kv, HEAD_DIM, device=device, dtype=dtype)
     pages = torch.randperm(blocks, device=device).to(torch.int32)
     table = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=device)
     i = 0
     for b, nb in enumerate(need):
         table[b, :nb] = pages[i : i + nb]
         i += nb
-    q = torch.randn(len(lengths), 1, heads, HEAD_DIM, device=device, dtype=dtype)
+    q = torch.randn(len(lengths), 1, heads * h_kv, HEAD_DIM, device=device, dtype=dtype)
     sl = torch.tensor(lengths, dtype=torch.int32, device=device)
     return q, k_cache, table, sl
 

@@ -13,17 +13,18 @@ def problem(spec, bucket, device):
     """FlashMLA's headline batch (128 x 4096, page 64) with ``rows`` query heads, and the bench's
     mixed lengths (1 to 16384, the same total KV): a trial's time is the mean of the two, so a
     config that only suits equal lengths does not win. Each trial builds the schedules its
-    ``split_factor`` asks for (outside the timed graph)."""
+    ``split_factor`` asks for (outside the timed graph). A bucket's ``h_kv`` (default 1, the
+    tuned buckets' value) gives the cache that many KV heads, each with ``rows`` query rows."""
     from kvgen.bench import decode
     from kvgen.formats.mla_decode import mla_decode
     from kvgen.ops._mla_choice import schedule_policy
     from kvgen.ops._mla_metadata import num_sm_parts, schedule
 
-    rows = bucket["rows"]
+    rows, h_kv = bucket["rows"], bucket.get("h_kv", 1)
     equal = [decode.SEQLEN] * decode.BATCH
     mixed = decode.mixed_lengths(sum(equal), decode.BATCH)
     dtype = _dtypes.TORCH[spec.dtype]
-    problems = [decode._make(lengths, rows, device, dtype) for lengths in (equal, mixed)]
+    problems = [decode._make(lengths, rows, device, dtype, h_kv=h_kv) for lengths in (equal, mixed)]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_dim**-0.5
@@ -35,7 +36,7 @@ def problem(spec, bucket, device):
     def sched(m, which, seqlens):
         key = (m["split_factor"], which)
         if key not in schedules:
-            parts = num_sm_parts(sms, rows, 1, m["split_factor"])
+            parts = num_sm_parts(sms, rows, h_kv, m["split_factor"])
             schedules[key] = schedule(seqlens, parts, schedule_policy(spec.variant))
         return schedules[key]
 
