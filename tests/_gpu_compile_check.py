@@ -118,7 +118,7 @@ for spec in (
 for ds, bh, bn in (
     [(MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))]
     + [(MLADecodeFP8Spec(576, 512, dt), 16, 32) for dt in ("bf16", "fp16")]
-    + [(MLADecodeMXFP4Spec(d, 512, "bf16"), 16, 32) for d in (576, 512)]
+    + [(MLADecodeMXFP4Spec(d, 512, dt), 16, 32) for d in (576, 512) for dt in ("bf16", "fp16")]
 ):
     types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}
     types |= {"q_ptr": PTR[ds.dtype], "k_ptr": "*u8", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}

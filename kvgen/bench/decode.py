@@ -216,7 +216,7 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
             callers = [(label, call, "bf16", ref) for label, call in _callers(device, k)]
             k_scale = torch.tensor([K_SCALE], device=device)
             for fmt, cache in quantized_caches(k, k_scale).items():
-                deq = dequantized(fmt, cache, k_scale)
+                deq = dequantized(fmt, cache, k_scale).cpu()
                 fmt_ref, _ = mla_decode(
                     q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
                 )  # (over the dequantized cache: what the op attends over)

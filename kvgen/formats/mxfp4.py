@@ -72,7 +72,7 @@ def dequantize_rows(rows: torch.Tensor, latent: int, group: int = 32) -> torch.T
     rows = rows.to(torch.int32)
     packed, x_biased = rows[:, : latent // 2], rows[:, latent // 2 : row_bytes(latent, group)]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows.shape[0], latent)
-    values = torch.tensor(E2M1_VALUES)[codes & 7]
+    values = torch.tensor(E2M1_VALUES, device=rows.device)[codes & 7]
     values = torch.where(codes & 8 != 0, -values, values)
     scale = torch.exp2((x_biased - E8M0_BIAS).double()).float()
     return (values.reshape(rows.shape[0], -1, group) * scale[..., None]).reshape(-1, latent)

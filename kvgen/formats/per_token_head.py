@@ -78,7 +78,7 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, head_size: int) -> torch.Tensor:
     p = packed.to(torch.int32)
     codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*packed.shape[:-1], -1)[..., :head_size]
-    levels = torch.tensor(INT4_LEVELS, dtype=torch.float32)[codes & 7]
+    levels = torch.tensor(INT4_LEVELS, dtype=torch.float32, device=packed.device)[codes & 7]
     values = torch.where(codes & 8 != 0, -levels, levels)
     groups = scales.shape[-1]
     channels_per_scale = next(c for c in INT4_CHANNELS if int4_groups(head_size, c) == groups)
