@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from kvgen import runtime
 from kvgen.bench import harness
@@ -32,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", help="the commit to record (a copied checkout's .git may be older)")
     args = ap.parse_args(argv)
 
-    from benchmarks.compare_samplers import measure_grid
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # (run as a script, python -P)
+    from compare_samplers import measure_grid
 
     arch, target = runtime.local_target()
     spec = MLADecodeSpec(576, 512, "bf16", args.variant, arch, target)

@@ -120,6 +120,20 @@ def quantized_decodes() -> None:
             want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
             rel = float((out.float() - want.float()).norm() / want.float().norm())
             check(f"flash_mla_with_kvcache {fmt} h_q={h_q}", rel < 2e-3)
+            for spec in quantized_variants(fmt):  # each variant, launched directly
+                mp = spec.default_meta(rows=2 * h_q)
+                mp |= {"k_scale": k_scale} if fmt == "fp8" else {}
+                out, _ = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
+                rel = float((out.float() - want.float()).norm() / want.float().norm())
+                check(f"{spec.name} h_q={h_q} {mp}", rel < 2e-3)
+
+
+def quantized_variants(fmt: str):
+    family = {"fp8": "mla_decode_fp8", "fp8_ds_mla": "mla_decode_fp8_ds_mla"}.get(fmt)
+    if family is None:
+        return []
+    specs = registry.variants(*runtime.local_target(), family=family)
+    return [s for s in specs if s.dtype == "bf16"]
 
 
 def decodes() -> None:

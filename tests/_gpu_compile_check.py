@@ -128,6 +128,42 @@ for ds, bh, bn in (
     constexprs |= {"PAGE_AHEAD": False, "TILE_IN_PAGE": bh == 64, "ONE_KV_HEAD": True}
     compile_fn(ds.name, load(ds).split_kernel, types, constexprs)
 
+# The wgmma decode over fp8 caches: the loader partition stages the rows' bytes and dequantizes
+for ds, bn, bufs, in_page in (
+    (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
+    (MLADecodeFP8Spec(576, 512, "fp16", "wgmma"), 16, 4, False),
+    (MLADecodeDSMLASpec(576, 512, "bf16", "wgmma"), 32, 2, False),
+):
+    dt = PTR[ds.dtype]
+    types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}
+    types |= {"q_ptr": dt, "out_ptr": dt, "k_ptr": "*u8", "k_lat_desc": "*u8", "k_rope_desc": "*u8"}
+    types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "lse_ptr": "*fp32"}
+    types |= {"k_scale_ptr": "*fp32", "scale_log2": "fp32"}
+    compile_fn(
+        ds.name + " roles",
+        load(ds).split_kernel_roles,
+        types,
+        {
+            "CAUSAL": True,
+            "BLOCK_N": bn,
+            "NUM_BUF": bufs,
+            "TILE_IN_PAGE": in_page,
+            "USE_TMA": False,
+            "ONE_KV_HEAD": in_page,  # several KV heads where not
+        },
+        warps=4,
+        maxnreg=load(ds).ROLES_MAXNREG,
+        aligned=(
+            "k_ptr",
+            "stride_k_block",
+            "stride_k_row",
+            "stride_k_head",
+            "q_ptr",
+            "stride_q_batch",
+            "stride_q_row",
+        ),
+    )
+
 for spec in (
     MLADecodeSpec(576, 512, "bf16"),
     MLADecodeSpec(288, 256, "fp16"),

@@ -206,3 +206,52 @@ def test_the_bench_caches_are_the_formats_and_the_op_reads_them(device):
         out, _ = decode._quantized_caller(cache, fmt, k_scale)(q, table, sl, meta, splits)
         ref, _ = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
         assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2, fmt
+
+
+def _variants():
+    from kvgen import registry
+    from kvgen.runtime import local_target
+
+    arch, target = local_target()
+    return [
+        s
+        for fam in ("mla_decode_fp8_ds_mla", "mla_decode_fp8")
+        for s in registry.variants(arch, target, fam)
+        if s.dtype == "bf16"
+    ]
+
+
+@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
+@pytest.mark.parametrize("page,h_q,h_kv,s_q", [(64, 16, 1, 2), (16, 128, 1, 1), (32, 8, 2, 2)])
+def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, s_q, device):
+    """Each variant of the fp8 families (portable; on sm90 also wgmma, whose loader partition
+    dequantizes), launched with its default meta-parameters: pages that hold whole tiles and
+    pages smaller than a tile, several KV heads, causal rows, lengths 0 and 1, blocks further
+    apart than a page; against kvgen's decode over the dequantized cache."""
+    from kvgen.bench.decode import K_SCALE, dequantized
+    from kvgen.codegen import load
+
+    gen = torch.Generator().manual_seed(page + h_q)
+    seqlens = [150, 0, 1, 70]
+    blocks, table = _table(seqlens, page, gen)
+    fmt = "fp8" if spec.family == "mla_decode_fp8" else "fp8_ds_mla"
+    row = 576 if fmt == "fp8" else 656
+    k_scale = torch.tensor([K_SCALE], device=device)
+    mem = torch.zeros(blocks, page + 3, h_kv, row, dtype=torch.uint8, device=device)
+    cache = mem[:, :page]
+    for head in range(h_kv):  # (the store writes one head's [num_blocks, page, row] cache)
+        kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
+        one = torch.empty(blocks, page, row, dtype=torch.uint8, device=device)
+        slots = torch.arange(blocks * page, device=device)
+        concat_and_cache_mla(kv[:, :512], kv[:, 512:], one, slots, fmt, k_scale)
+        mem[:, :page, head] = one
+    deq = dequantized(fmt, cache, k_scale)
+    q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    rows = s_q * h_q // h_kv
+    meta, splits = get_mla_metadata(sl, rows, h_kv)
+    mp = spec.default_meta(rows=rows) | ({"k_scale": k_scale} if fmt == "fp8" else {})
+    out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
+    want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
+    _assert_matches(out, lse, want, want_lse)

@@ -16,6 +16,7 @@ HEADS = (16, 32, 64, 128)
 #: the quantized MLA caches the op reads, and the bytes of a token's row in each
 ROW_BYTES = {"bf16": 2 * HEAD_DIM, "fp8_ds_mla": 656, "fp8": HEAD_DIM, "mxfp4": 400}
 K_SCALE = 0.01  # the per-tensor fp8 cache's scale (the bench's keys are N(0, 1))
+ROUNDS = 5  # timings of each caller, in rotated order
 
 
 @dataclasses.dataclass
@@ -71,36 +72,47 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
     return q, k_cache, table, sl
 
 
-def _callers(device, k):
-    """(label, call) pairs for the 576/512 bf16 decode on cache ``k``: every variant this arch
-    has, launched directly with its tuned (or default) meta-parameters, and ``auto``: the op,
+def _callers(device, k, fmt="bf16", k_scale=None):
+    """(label, call) pairs for the 576/512 decode (bf16 queries) on cache ``k`` in format
+    ``fmt``: every variant this arch has for that cache, launched directly with its tuned (or
+    default) meta-parameters, and ``auto`` (``auto <fmt>`` for a quantized cache): the op,
     whose wrapper picks the variant. ``call(q, table, seqlens, meta, splits) -> (out, lse)``."""
     from kvgen import runtime
     from kvgen.codegen import load
     from kvgen.codegen.spec import SpecError
-    from kvgen.families.mla_decode import VARIANTS, MLADecodeSpec
-    from kvgen.ops import flash_mla_with_kvcache
+    from kvgen.families import mla_decode as md
 
     arch, target = runtime.target_of(device)
     scale = HEAD_DIM**-0.5
+    cls = {
+        "bf16": md.MLADecodeSpec,
+        "fp8_ds_mla": md.MLADecodeDSMLASpec,
+        "fp8": md.MLADecodeFP8Spec,
+        "mxfp4": md.MLADecodeMXFP4Spec,
+    }[fmt]
+    extra = {"k_scale": k_scale} if fmt == "fp8" else {}
     out = []
-    for v in VARIANTS:
+    for v in md.VARIANTS:
         try:
-            spec = MLADecodeSpec(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
+            spec = cls(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
         except SpecError:
             continue
         launch = load(spec).launch
 
         def call(q, table, sl, meta, splits, launch=launch, spec=spec):
             mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])
-            return launch(q, k, table, sl, meta, splits, scale, False, **mp)
+            return launch(q, k, table, sl, meta, splits, scale, False, **mp, **extra)
 
         out.append((spec.name, call))
+    if fmt == "bf16":
+        from kvgen.ops import flash_mla_with_kvcache
 
-    def auto(q, table, sl, meta, splits):
-        return flash_mla_with_kvcache(q, k, table, sl, HEAD_DIM_V, meta, splits)
+        def auto(q, table, sl, meta, splits):
+            return flash_mla_with_kvcache(q, k, table, sl, HEAD_DIM_V, meta, splits)
 
-    out.append(("auto", auto))
+        out.append(("auto", auto))
+    else:
+        out.append((f"auto {fmt}", _quantized_caller(k, fmt, k_scale)))
     return out
 
 
@@ -195,7 +207,7 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
     the op over each quantized cache of the same keys (``auto fp8_ds_mla``, ...), with its time
     relative to the op's over the bf16 cache.
 
-    Each caller is timed once a round, as many rounds as callers, the order rotated each round,
+    Each caller is timed once a round, ROUNDS rounds, the order rotated each round,
     and its median kept; each timing starts after the graph has run for a while on its own
     (``harness.graph_time_us``'s settle), since the H200's clocks follow the load that came
     before: the op's row, timed right after the wgmma variant's row with the same kernels, read
@@ -220,13 +232,12 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
                 fmt_ref, _ = mla_decode(
                     q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
                 )  # (over the dequantized cache: what the op attends over)
-                callers.append(
-                    (f"auto {fmt}", _quantized_caller(cache, fmt, k_scale), fmt, fmt_ref)
-                )
+                for label, call in _callers(device, cache, fmt, k_scale):
+                    callers.append((label, call, fmt, fmt_ref))
             meta, splits = get_mla_metadata(sl, h, 1)
             args = (q, table, sl, meta, splits)
             times = {label: [] for label, *_ in callers}
-            for r in range(len(callers)):
+            for r in range(min(len(callers), ROUNDS)):
                 for label, call, *_ in callers[r:] + callers[:r]:
                     times[label].append(_graph_us(call, args))
             bf16_time = statistics.median(times["auto"])

@@ -171,15 +171,13 @@ def _run_decode(
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     arch, target = runtime.target_of(device)
     dt = _dtypes.NAME[q.dtype]
-    if fmt == "fp8_ds_mla":
-        spec = MLADecodeDSMLASpec(d, head_dim_v, dt, "portable", arch, target)
-    elif fmt == "mxfp4":
+    if fmt == "mxfp4":
         spec = MLADecodeMXFP4Spec(d, head_dim_v, dt, "portable", arch, target)
-    elif fmt == "fp8":
-        spec = MLADecodeFP8Spec(d, head_dim_v, dt, "portable", arch, target)
-        k = k.view(torch.uint8)
     else:
-        spec = choose(MLADecodeSpec, d, head_dim_v, dt, arch, target, k, rows)
+        if fmt == "fp8":
+            k = k.view(torch.uint8)
+        cls = {"fp8_ds_mla": MLADecodeDSMLASpec, "fp8": MLADecodeFP8Spec}.get(fmt, MLADecodeSpec)
+        spec = choose(cls, d, head_dim_v, dt, arch, target, k, rows)
     meta_p = runtime.meta_params(spec, rows=rows)
     if fmt == "fp8":
         meta_p["k_scale"] = k_scale

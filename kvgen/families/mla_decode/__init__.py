@@ -83,6 +83,10 @@ class MLADecodeSpec(VariantSpec):
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
+        if self.variant == "wgmma" and self.derived()["kv_format"] != "auto":
+            # 32-key tiles: two bf16 K buffers beside the loader's two staging buffers fit
+            # the shared memory; 64-key ones do not
+            return {"block_n": 32, "num_stages": 2, "split_factor": 1}
         if self.variant == "wgmma":  # 64-key tiles, two in flight (the fastest point of the
             # H200 sweep at 32-128 heads)
             return {"block_n": 64, "num_stages": 2, "split_factor": 1}
@@ -113,7 +117,7 @@ def available(variant: str, arch: str, target: str) -> bool:
 class MLADecodeDSMLASpec(MLADecodeSpec):
     """The decode over the 656-byte fp8_ds_mla cache (docs/formats.md): DeepSeek's 576 / 512
     with bf16 queries; K and V are dequantized on chip (exact in bf16), never written back.
-    The portable variant only, for now."""
+    Portable and wgmma (the loader partition dequantizes, _mla_decode_wgmma.j2)."""
 
     family: ClassVar[str] = "mla_decode_fp8_ds_mla"
 
@@ -121,8 +125,6 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
         super().check_combination()
         if (self.head_dim, self.head_dim_v, self.dtype) != (576, 512, "bf16"):
             raise SpecError(f"{self.family}: the fp8_ds_mla record is 576 / 512 with bf16 queries")
-        if self.variant != "portable":
-            raise SpecError(f"{self.family}: only the portable variant reads fp8_ds_mla rows")
 
     def derived(self) -> dict[str, Any]:
         # chunks of 128 latent channels: one fp32 scale each
@@ -132,15 +134,10 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
 @dataclasses.dataclass(frozen=True)
 class MLADecodeFP8Spec(MLADecodeSpec):
     """The decode over a per-tensor fp8 cache (e4m3fn codes of every channel, one fp32 k_scale
-    for the tensor): K and V dequantized on chip and rounded to the queries' dtype once. The
-    portable variant only, for now."""
+    for the tensor): K and V dequantized on chip and rounded to the queries' dtype once.
+    Portable and wgmma (the loader partition dequantizes)."""
 
     family: ClassVar[str] = "mla_decode_fp8"
-
-    def check_combination(self) -> None:
-        super().check_combination()
-        if self.variant != "portable":
-            raise SpecError(f"{self.family}: only the portable variant reads fp8 rows")
 
     def derived(self) -> dict[str, Any]:
         return super().derived() | {"kv_format": "fp8"}

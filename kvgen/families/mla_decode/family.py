@@ -66,12 +66,16 @@ class MLADecode(Family):
 
 class MLADecodeDSMLA(Family):
     """``flash_mla_with_kvcache`` over the 656-byte fp8_ds_mla cache (K and V dequantized on
-    chip); the portable variant."""
+    chip); the portable variant and, on sm90, the wgmma one."""
 
     spec_class = MLADecodeDSMLASpec
 
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
-        return [MLADecodeDSMLASpec(576, 512, "bf16", "portable", arch, target)]
+        return [
+            MLADecodeDSMLASpec(576, 512, "bf16", v, arch, target)
+            for v in VARIANTS
+            if available(v, arch, target)
+        ]
 
     def verify(self, spec, device):
         from kvgen.families.mla_decode.verify import verify_quantized_decode
@@ -81,12 +85,18 @@ class MLADecodeDSMLA(Family):
 
 class MLADecodeFP8(Family):
     """``flash_mla_with_kvcache`` over a per-tensor fp8 cache (e4m3fn codes of every channel,
-    one k_scale), K and V dequantized on chip; the portable variant."""
+    one k_scale), K and V dequantized on chip; the portable variant and, on sm90, the wgmma
+    one."""
 
     spec_class = MLADecodeFP8Spec
 
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
-        return [MLADecodeFP8Spec(576, 512, dt, "portable", arch, target) for dt in ("bf16", "fp16")]
+        return [
+            MLADecodeFP8Spec(576, 512, dt, v, arch, target)
+            for dt in ("bf16", "fp16")
+            for v in VARIANTS
+            if available(v, arch, target)
+        ]
 
     def verify(self, spec, device):
         from kvgen.families.mla_decode.verify import verify_quantized_decode
