@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     arch, target = runtime.local_target()
     spec = MLADecodeSpec(576, 512, "bf16", args.variant, arch, target)
-    space = load_space(spec)
+    space = load_space(spec.template)
     results = []
     print(f"{'h_q':>4} {'h_kv':>4} {'rows':>4}  {'chosen us':>9}  {'best us':>9}  ratio  best")
     for h_q, h_kv in CASES:

@@ -64,7 +64,20 @@ class MLADecode(Family):
         return problem(spec, bucket, device)
 
 
-class MLADecodeDSMLA(Family):
+class _QuantizedDecode(Family):
+    """What the decodes over quantized caches share: tuned on DeepSeek's 576 / 512 with bf16
+    queries, with the bf16 decode's tuning problem over the cache in their format."""
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        return [s for s in self.variants(arch, "gpu") if (s.head_dim, s.dtype) == (576, "bf16")]
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mla_decode.tuning import problem
+
+        return problem(spec, bucket, device)
+
+
+class MLADecodeDSMLA(_QuantizedDecode):
     """``flash_mla_with_kvcache`` over the 656-byte fp8_ds_mla cache (K and V dequantized on
     chip); the portable variant and, on sm90, the wgmma one."""
 
@@ -83,7 +96,7 @@ class MLADecodeDSMLA(Family):
         return verify_quantized_decode(spec, device)
 
 
-class MLADecodeFP8(Family):
+class MLADecodeFP8(_QuantizedDecode):
     """``flash_mla_with_kvcache`` over a per-tensor fp8 cache (e4m3fn codes of every channel,
     one k_scale), K and V dequantized on chip; the portable variant and, on sm90, the wgmma
     one."""
@@ -104,7 +117,7 @@ class MLADecodeFP8(Family):
         return verify_quantized_decode(spec, device)
 
 
-class MLADecodeMXFP4(Family):
+class MLADecodeMXFP4(_QuantizedDecode):
     """``flash_mla_with_kvcache`` over MXFP4 rows (group 32, RoPE as bf16 or none), K and V
     dequantized on chip; the portable variant."""
 
