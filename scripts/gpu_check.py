@@ -8,14 +8,11 @@ import torch
 
 from kvgen import registry, runtime
 from kvgen.codegen import load
-from kvgen.families.mla_cache.verify import edge_case_rows
-from kvgen.families.mla_cache.verify import make_cache as make_mla_cache
 from kvgen.families.per_token_head.verify import make_kv_caches
-from kvgen.formats import mla_cache, mxfp4
+from kvgen.formats import mxfp4
 from kvgen.formats import per_token_head as pth
 from kvgen.formats.mla_decode import mla_decode
 from kvgen.ops import (
-    concat_and_cache_mla,
     flash_mla_with_kvcache,
     gather_kv_per_token_head,
     gather_mxfp4_mla,
@@ -51,6 +48,14 @@ def mxfp4_store_and_gather() -> None:
         check(f"gather_mxfp4_mla {dtype}", torch.equal(got.nan_to_num(), exp.nan_to_num()))
 
 
+def mxfp4_rope_store() -> None:
+    from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4_rope
+
+    for spec in registry.variants(*runtime.local_target(), family="store_mxfp4_rope_mla"):
+        if spec.group == 32:
+            check(spec.name, verify_store_mxfp4_rope(spec, DEV).passed)
+
+
 def per_token_head_stores() -> None:
     specs = [
         s
@@ -80,16 +85,10 @@ def per_token_head_stores() -> None:
 
 
 def mla_cache_stores() -> None:
+    from kvgen.families.mla_cache.verify import verify_concat_and_cache_mla
+
     for spec in registry.variants(*runtime.local_target(), family="concat_and_cache_mla"):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-        kv_c, k_pe = edge_case_rows(23, 512, 64, dtype[spec.in_dtype], seed=5)
-        cache = make_mla_cache(spec, 3, DEV)
-        want = cache.backing.cpu().clone()
-        slots = make_slots(23, 3 * 16, DEV, dtype=torch.int32, seed=5)
-        scale = torch.tensor([0.05], device=DEV)
-        concat_and_cache_mla(kv_c.to(DEV), k_pe.to(DEV), cache.view, slots, spec.fmt, scale)
-        mla_cache.store(kv_c, k_pe, cache.rebuild(want), slots.cpu(), spec.fmt, scale.cpu())
-        check(spec.name, torch.equal(cache.backing.cpu(), want))
+        check(spec.name, verify_concat_and_cache_mla(spec, DEV).passed)
 
 
 def quantized_decodes() -> None:
@@ -169,6 +168,7 @@ def decode(spec, h_kv: int) -> None:
 
 if __name__ == "__main__":
     mxfp4_store_and_gather()
+    mxfp4_rope_store()
     per_token_head_stores()
     mla_cache_stores()
     decodes()

@@ -21,7 +21,11 @@ from kvgen.families.mla_decode import (  # noqa: E402
     MLADecodeMXFP4Spec,
     MLADecodeSpec,
 )
-from kvgen.families.mxfp4_mla import GatherMXFP4MLASpec, StoreMXFP4MLASpec  # noqa: E402
+from kvgen.families.mxfp4_mla import (  # noqa: E402
+    GatherMXFP4MLASpec,
+    StoreMXFP4MLASpec,
+    StoreMXFP4RopeMLASpec,
+)
 from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec  # noqa: E402
 
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
@@ -62,6 +66,13 @@ for spec in (
             {"ROWS": rows},
             warps,
         )
+for spec in (
+    StoreMXFP4RopeMLASpec(32, 512, "bf16", "paged", rope=64),
+    StoreMXFP4RopeMLASpec(16, 512, "fp32", "flat", rope=64),
+):
+    words = "*i64" if spec.dtype == "fp32" else "*i32"
+    types = {"words_ptr": words, "pe_ptr": PTR[spec.dtype], "slot_ptr": "*i64", "cache_ptr": "*u8"}
+    compile_fn(spec.name, load(spec).store_kernel, types, {"ROWS": 4}, 2)
 spec = GatherMXFP4MLASpec(32, 448, "bf16", "paged")
 compile_fn(
     spec.name,
@@ -128,6 +139,17 @@ for ds, bh, bn in (
     constexprs |= {"PAGE_AHEAD": False, "TILE_IN_PAGE": bh == 64, "ONE_KV_HEAD": True}
     compile_fn(ds.name, load(ds).split_kernel, types, constexprs)
 
+# What the wgmma decode's launcher passes as multiples of 16 (Q is copied where it is not)
+WGMMA_ALIGNED = (
+    "k_ptr",
+    "stride_k_block",
+    "stride_k_row",
+    "stride_k_head",
+    "q_ptr",
+    "stride_q_batch",
+    "stride_q_row",
+)
+
 # The wgmma decode over fp8 caches: the loader partition stages the rows' bytes and dequantizes
 for ds, bn, bufs, in_page in (
     (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
@@ -153,15 +175,7 @@ for ds, bn, bufs, in_page in (
         },
         warps=4,
         maxnreg=load(ds).ROLES_MAXNREG,
-        aligned=(
-            "k_ptr",
-            "stride_k_block",
-            "stride_k_row",
-            "stride_k_head",
-            "q_ptr",
-            "stride_q_batch",
-            "stride_q_row",
-        ),
+        aligned=WGMMA_ALIGNED,
     )
 
 for spec in (
@@ -214,15 +228,7 @@ for spec in (
                 },
                 warps=4,
                 maxnreg=mod.ROLES_MAXNREG,
-                aligned=(
-                    "k_ptr",
-                    "stride_k_block",
-                    "stride_k_row",
-                    "stride_k_head",
-                    "q_ptr",
-                    "stride_q_batch",
-                    "stride_q_row",
-                ),
+                aligned=WGMMA_ALIGNED,
             )
     for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
         compile_fn(

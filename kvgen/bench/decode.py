@@ -119,7 +119,7 @@ def _callers(device, k, fmt="bf16", k_scale=None):
 def quantized_caches(k: torch.Tensor, k_scale: torch.Tensor) -> dict[str, torch.Tensor]:
     """The bf16 cache ``k`` [blocks, page, 1, 576] in each quantized format, written by kvgen's
     own stores: fp8_ds_mla and per-tensor fp8 by ``concat_and_cache_mla``; MXFP4 (group 32,
-    bf16 RoPE) by ``store_mxfp4_mla`` for the latent with the RoPE bytes after it."""
+    bf16 RoPE) by ``store_mxfp4_mla(..., k_pe=)``."""
     from kvgen.ops import concat_and_cache_mla, store_mxfp4_mla
 
     blocks, page = k.shape[:2]
@@ -131,12 +131,9 @@ def quantized_caches(k: torch.Tensor, k_scale: torch.Tensor) -> dict[str, torch.
         c = torch.empty(blocks, page, 1, ROW_BYTES[fmt], dtype=torch.uint8, device=k.device)
         concat_and_cache_mla(kv_c, k_pe, c, slots, fmt, k_scale)
         out[fmt] = c
-    latent = torch.empty(
-        flat.shape[0], ROW_BYTES["mxfp4"] - 128, dtype=torch.uint8, device=k.device
-    )
-    store_mxfp4_mla(kv_c, slots, latent)
-    rope = k_pe.contiguous().view(torch.uint8)
-    out["mxfp4"] = torch.cat([latent, rope], dim=1).reshape(blocks, page, 1, ROW_BYTES["mxfp4"])
+    mx = torch.empty(blocks, page, ROW_BYTES["mxfp4"], dtype=torch.uint8, device=k.device)
+    store_mxfp4_mla(kv_c, slots, mx, k_pe=k_pe)
+    out["mxfp4"] = mx.reshape(blocks, page, 1, ROW_BYTES["mxfp4"])
     return out
 
 

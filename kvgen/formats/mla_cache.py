@@ -99,6 +99,16 @@ def quantize_mxfp4_rope(kv_c: torch.Tensor, k_pe: torch.Tensor, group: int = 32)
     return torch.cat([mxfp4.quantize_rows(kv_c, group), _bytes(rope_bf16(k_pe))], dim=1)
 
 
+def store_mxfp4_rope(kv_c, k_pe, slot_mapping, cache, group: int = 32) -> None:
+    """Reference of ``store_mxfp4_mla(..., k_pe=)``: token i's row (``quantize_mxfp4_rope``)
+    into slot ``slot_mapping[i]`` of ``cache`` (the layouts ``mxfp4.store`` takes); negative
+    slots and slots past the end are skipped."""
+    pitch = mxfp4_rope_row_bytes(kv_c.shape[1], group, k_pe.shape[1])
+    rows, valid, index = mxfp4._slot_index(cache, slot_mapping, pitch)
+    encoded = quantize_mxfp4_rope(kv_c.cpu(), k_pe.cpu(), group)[valid]
+    rows[tuple(i.to(cache.device) for i in index)] = encoded.to(cache.device)
+
+
 def dequantize_mxfp4_rope(rows: torch.Tensor, latent: int = 512, group: int = 32) -> torch.Tensor:
     pitch = mxfp4.row_bytes(latent, group)
     lat = mxfp4.dequantize_rows(rows[:, :pitch], latent, group)

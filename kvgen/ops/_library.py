@@ -44,15 +44,17 @@ def define(schema: str, check: Callable, run: Callable, fake: Callable) -> Calla
 
 
 def _typed(op: torch._ops.OpOverload, schema: str) -> Callable:
-    """``op`` behind a check of its Tensor and int arguments' Python types, by the schema's
-    argument names (the operator's own parsing names neither argument nor type as clearly).
+    """``op`` behind a check of its Tensor (optional ones: Tensor or None) and int arguments'
+    Python types, by the schema's argument names (the operator's own parsing names neither
+    argument nor type as clearly).
     The checked call is what the public functions use; ``.op`` is the operator itself."""
-    tensors, ints = [], []
+    tensors, optional, ints = [], [], []
     params = schema.split("(", 1)[1].rsplit(") ->", 1)[0]
     for i, param in enumerate(params.split(",")):
         kind, arg = param.split()[:2]
-        if kind.startswith("Tensor") and not kind.endswith("?"):
-            tensors.append((i, arg))
+        arg = arg.split("=", 1)[0]  # (an argument with a default: "Tensor? k_pe=None")
+        if kind.startswith("Tensor"):
+            (optional if kind.endswith("?") else tensors).append((i, arg))
         elif kind == "int":
             ints.append((i, arg))
 
@@ -60,6 +62,11 @@ def _typed(op: torch._ops.OpOverload, schema: str) -> Callable:
         for i, arg_name in tensors:
             if not isinstance(args[i], torch.Tensor):
                 raise TypeError(f"{arg_name} must be a torch.Tensor, got {type(args[i]).__name__}")
+        for i, arg_name in optional:
+            if i < len(args) and args[i] is not None and not isinstance(args[i], torch.Tensor):
+                raise TypeError(
+                    f"{arg_name} must be a torch.Tensor or None, got {type(args[i]).__name__}"
+                )
         for i, arg_name in ints:
             if not isinstance(args[i], int) or isinstance(args[i], bool):
                 raise TypeError(f"{arg_name} must be an int, got {type(args[i]).__name__}")

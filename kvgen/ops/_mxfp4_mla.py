@@ -8,7 +8,13 @@ import torch
 
 from kvgen import _dtypes, runtime
 from kvgen.codegen import load
-from kvgen.families.mxfp4_mla import GROUPS, GatherMXFP4MLASpec, StoreMXFP4MLASpec
+from kvgen.families.mxfp4_mla import (
+    GROUPS,
+    ROPES,
+    GatherMXFP4MLASpec,
+    StoreMXFP4MLASpec,
+    StoreMXFP4RopeMLASpec,
+)
 from kvgen.formats import MXFP4
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define, nothing
@@ -17,11 +23,26 @@ GROUP_SIZE = MXFP4.default_group
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def mxfp4_row_bytes(latent: int, group: int = GROUP_SIZE) -> int:
-    """Bytes of one MXFP4 cache row: ``latent / 2`` packed elements + ``latent / group`` scales."""
+def mxfp4_row_bytes(latent: int, group: int = GROUP_SIZE, rope_dim: int = 0) -> int:
+    """Bytes of one MXFP4 cache row: ``latent / 2`` packed elements + ``latent / group`` scales,
+    then ``rope_dim`` RoPE channels as bf16 (``store_mxfp4_mla(..., k_pe=)``; 0: none)."""
     check.int_arg("latent", latent)
+    check.int_arg("rope_dim", rope_dim)
     _check_group(latent, group)
-    return MXFP4.row_bytes(latent, group)
+    _check_rope(latent, group, rope_dim)
+    return MXFP4.row_bytes(latent, group) + 2 * rope_dim
+
+
+def _check_rope(latent: int, group: int, rope: int) -> None:
+    if rope == 0:
+        return
+    if rope not in ROPES:
+        raise ValueError(f"rope_dim (k_pe's width) must be 0 or one of {ROPES}, got {rope}")
+    if (latent // group) % 2:
+        raise ValueError(
+            f"rows with a RoPE part need an even number of scale bytes: latent={latent} / "
+            f"group={group} is odd (the bf16 RoPE channels would not be 2-byte aligned)"
+        )
 
 
 def _check_group(latent: int, group: int) -> None:
@@ -61,9 +82,12 @@ def _slot_count(num_slots: int) -> int:
 
 
 @cache
-def _store_launcher(dt, latent, group, layout, device):
+def _store_launcher(dt, latent, group, layout, device, rope=0):
     arch, target = runtime.target_of(device)
-    spec = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
+    if rope:
+        spec = StoreMXFP4RopeMLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target, rope)
+    else:
+        spec = StoreMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
     return spec, load(spec).launch
 
 
@@ -83,32 +107,51 @@ def _slots(name: str, slots: object, n: int | None) -> torch.Tensor:
     return slots
 
 
-def _check_store(x, slots, cache, group):
+def _check_store(x, slots, cache, group, k_pe=None):
     """Every check of ``store_mxfp4_mla`` that needs no data: the cache geometry, or an error."""
     check.dtype("kv_c_normed", x, _FLOATS)
     check.ndim("kv_c_normed", x, 2, "[num_tokens, latent]")
     num_tokens, latent = x.shape
     _slots("slot_mapping", slots, num_tokens)
     _check_group(latent, group)
-    device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
-    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group))
+    rope = 0
+    if k_pe is not None:
+        k_pe = check.tensor("k_pe", k_pe)
+        check.ndim("k_pe", k_pe, 2, "[num_tokens, rope_dim]")
+        if k_pe.dtype != x.dtype:
+            raise TypeError(f"k_pe must have kv_c_normed's dtype {x.dtype}, got {k_pe.dtype}")
+        if k_pe.shape[0] != num_tokens:
+            raise ValueError(f"k_pe has {k_pe.shape[0]} tokens but kv_c_normed has {num_tokens}")
+        if k_pe.shape[1] > 1 and k_pe.stride(1) != 1:
+            raise ValueError(
+                f"k_pe must be contiguous in its last dimension; strides {k_pe.stride()}"
+            )
+        rope = k_pe.shape[1]
+        _check_rope(latent, group, rope)
+        device = check.same_device(kv_c_normed=x, k_pe=k_pe, slot_mapping=slots, cache=cache)
+    else:
+        device = check.same_device(kv_c_normed=x, slot_mapping=slots, cache=cache)
+    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group) + 2 * rope)
 
 
-def _run_store(checked, x, slots, cache, group):
+def _run_store(checked, x, slots, cache, group, k_pe=None):
     device, (layout, num_slots, block_size, block_stride) = checked
     num_tokens, latent = x.shape
     if num_tokens == 0:
         return
-    spec, launch = _store_launcher(x.dtype, latent, group, layout, device)
+    rope = 0 if k_pe is None else k_pe.shape[1]
+    spec, launch = _store_launcher(x.dtype, latent, group, layout, device, rope)
     meta = runtime.meta_params(spec, num_tokens=num_tokens)
+    tensors = (x, slots) if k_pe is None else (x, k_pe, slots)
     if layout == "paged":
-        launch(x, slots, cache, num_slots, block_size, block_stride, **meta)
+        launch(*tensors, cache, num_slots, block_size, block_stride, **meta)
     else:
-        launch(x, slots, cache, num_slots, **meta)
+        launch(*tensors, cache, num_slots, **meta)
 
 
 _store_op = define(
-    "store_mxfp4_mla(Tensor kv_c_normed, Tensor slot_mapping, Tensor(a!) cache, int group) -> ()",
+    "store_mxfp4_mla(Tensor kv_c_normed, Tensor slot_mapping, Tensor(a!) cache, int group, "
+    "Tensor? k_pe=None) -> ()",
     _check_store,
     _run_store,
     nothing,
@@ -120,6 +163,7 @@ def store_mxfp4_mla(
     slot_mapping: torch.Tensor,
     cache: torch.Tensor,
     group: int = GROUP_SIZE,
+    k_pe: torch.Tensor | None = None,
 ) -> None:
     """Quantize the MLA latent to MXFP4 and write it into the paged cache.
 
@@ -132,12 +176,18 @@ def store_mxfp4_mla(
             view, whose block stride may exceed ``block_size`` rows when other layers' pages sit
             between blocks, or any contiguous tensor viewable as ``[num_slots, row_bytes]``.
         group: number of latent elements sharing one E8M0 scale (16, 32 or 64).
+        k_pe: ``None`` (vLLM's op: rope-free rows of ``mxfp4_row_bytes(latent, group)`` bytes),
+            or ``[num_tokens, rope_dim]`` of kv_c_normed's dtype (rope_dim 16, 32, 64 or 128):
+            each row then carries the RoPE part as bf16 after its scales (bf16 bit for bit,
+            fp16 / fp32 rounded to nearest even), rows of
+            ``mxfp4_row_bytes(latent, group, rope_dim)`` bytes (576 / 512: 400), the rows
+            ``flash_mla_with_kvcache`` reads as ``kv_format="mxfp4"``.
 
     Every argument is checked before the cache is touched: a bad one raises ``TypeError`` or
     ``ValueError`` naming it. The op is ``torch.ops.kvgen.store_mxfp4_mla`` (``cache``
     mutated).
     """
-    _store_op(kv_c_normed, slot_mapping, cache, group)
+    _store_op(kv_c_normed, slot_mapping, cache, group, k_pe)
 
 
 def _check_gather(cache, slots, latent, group, out_dtype):

@@ -15,6 +15,7 @@ GROUPS = formats.MXFP4.groups
 LATENTS = (256, 448, 512, 1024)
 FLOAT_DTYPES = ("bf16", "fp16", "fp32")
 LAYOUTS = ("paged", "flat")
+ROPES = (16, 32, 64, 128)  # RoPE channels a row with RoPE may carry
 
 
 def _latent_ok(v: Any) -> bool:
@@ -69,6 +70,28 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
             return {"rows_per_program": 1, "num_warps": 4, "num_stages": 1}
         rows = 2 if self.dtype == "fp32" else 4
         return {"rows_per_program": rows, "num_warps": 2, "num_stages": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreMXFP4RopeMLASpec(StoreMXFP4MLASpec):
+    """``store_mxfp4_mla`` with ``k_pe``: the latent's MXFP4 row (the rope-free row's bytes),
+    then the RoPE channels as bf16 (576 / 512: 400-byte rows); the same template."""
+
+    family: ClassVar[str] = "store_mxfp4_rope_mla"
+
+    rope: int = axis("r", choices=ROPES, default=64)
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        if (self.latent // self.group) % 2:
+            raise SpecError(
+                f"{self.family}: the RoPE part's bf16 needs an even number of scale bytes; "
+                f"latent={self.latent} / group={self.group} is odd"
+            )
+
+    def derived(self) -> dict[str, Any]:
+        d = super().derived()
+        return d | {"rope": self.rope, "row_bytes": d["row_bytes"] + 2 * self.rope}
 
 
 @dataclasses.dataclass(frozen=True)

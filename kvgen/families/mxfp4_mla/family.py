@@ -13,6 +13,7 @@ from kvgen.families.mxfp4_mla import (
     LAYOUTS,
     GatherMXFP4MLASpec,
     StoreMXFP4MLASpec,
+    StoreMXFP4RopeMLASpec,
 )
 
 
@@ -57,6 +58,32 @@ class StoreMXFP4MLA(_MXFP4Family):
         return store_problem(spec, bucket, device)
 
 
+class StoreMXFP4RopeMLA(Family):
+    """``store_mxfp4_mla(..., k_pe=)``: the MXFP4 rows with the RoPE part as bf16 after the
+    scales (DeepSeek's 576 / 512: 400-byte rows, the rows the MXFP4 decode reads)."""
+
+    spec_class = StoreMXFP4RopeMLASpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            StoreMXFP4RopeMLASpec(group, 512, dt, layout, arch, target, 64)
+            for group, dt, layout in itertools.product(GROUPS, FLOAT_DTYPES, LAYOUTS)
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        return [s for s in self.variants(arch, "gpu") if (s.group, s.layout) == (32, "paged")]
+
+    def verify(self, spec, device):
+        from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4_rope
+
+        return verify_store_mxfp4_rope(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mxfp4_mla.tuning import store_rope_problem
+
+        return store_rope_problem(spec, bucket, device)
+
+
 class GatherMXFP4MLA(_MXFP4Family):
     """``gather_mxfp4_mla``: read the MXFP4 rows of given slots back, dequantized."""
 
@@ -80,4 +107,4 @@ class GatherMXFP4MLA(_MXFP4Family):
         return gather_problem(spec, bucket, device)
 
 
-FAMILIES = (StoreMXFP4MLA(), GatherMXFP4MLA())
+FAMILIES = (StoreMXFP4MLA(), StoreMXFP4RopeMLA(), GatherMXFP4MLA())

@@ -68,3 +68,43 @@ def gather_problem(spec, bucket, device):
         return torch.equal(out.cpu(), want)
 
     return _runner(launch, args), check, case.n_sets
+
+
+def store_rope_problem(spec, bucket, device):
+    """The store with ``k_pe`` (paged, the bench's block size): rotated (latents, RoPE rows,
+    slots, cache) sets, checked byte for byte against the reference."""
+    from kvgen._math import cdiv
+    from kvgen.bench import harness
+    from kvgen.bench.store import BLOCK_SIZE
+    from kvgen.formats import MXFP4, mla_cache
+
+    t = bucket["num_tokens"]
+    dtype = _dtypes.TORCH[spec.dtype]
+    pitch = MXFP4.row_bytes(spec.latent, spec.group) + 2 * spec.rope
+    blocks = cdiv(t, BLOCK_SIZE) + 1
+    n_sets = harness.sets_for(
+        t * (spec.latent + spec.rope) * dtype.itemsize + blocks * BLOCK_SIZE * pitch
+    )
+    data = [
+        (
+            torch.randn(t, spec.latent, device=device).to(dtype),
+            torch.randn(t, spec.rope, device=device).to(dtype),
+            torch.randperm(blocks * BLOCK_SIZE, device=device)[:t],
+            torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device),
+        )
+        for _ in range(n_sets)
+    ]
+    launch = load(spec).launch
+    args = [_paged(d, d[-1]) for d in data]
+
+    def check(meta):
+        _, _, slots, cache = data[0]
+        x = torch.randn(t, spec.latent, device=device).to(dtype)  # fresh data
+        pe = torch.randn(t, spec.rope, device=device).to(dtype)
+        cache.fill_(0xFF)
+        launch(*_paged((x, pe, slots, cache), cache), **meta)
+        want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
+        mla_cache.store_mxfp4_rope(x.cpu(), pe.cpu(), slots.cpu(), want, spec.group)
+        return torch.equal(cache.cpu(), want)
+
+    return _runner(launch, args), check, n_sets

@@ -81,6 +81,29 @@ def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 
     return Result(spec.name, mismatched == 0, mismatched, max_error)
 
 
+def verify_store_mxfp4_rope(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
+    """The store with ``k_pe``: edge-case latents and RoPE rows (bf16 ties, specials) into a
+    poisoned, guarded cache of 400-byte-style rows, byte for byte against the reference."""
+    from kvgen.formats import mla_cache
+    from kvgen.ops import store_mxfp4_mla
+
+    dtype = _dtypes.TORCH[spec.dtype]
+    pitch = MXFP4.row_bytes(spec.latent, spec.group) + 2 * spec.rope
+    x = edge_case_latents(tokens, spec.latent, spec.group, dtype, seed).to(device)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_pe = torch.randn(tokens, spec.rope, generator=gen) * 3.0
+    k_pe[0, :4] = torch.tensor([1.00390625, 1.01171875, -0.0, 65504.0])  # bf16 ties, -0, big
+    k_pe = k_pe.to(dtype).to(device)
+    num_slots = tokens * 2 + 5
+    cache = make_cache(spec.layout, num_slots, pitch, device)
+    slots = make_slots(tokens, num_slots_of(cache.view, pitch), device, seed=seed)
+    expected = cache.fresh_copy()
+    mla_cache.store_mxfp4_rope(x, k_pe, slots, expected.view, spec.group)
+    store_mxfp4_mla(x, slots, cache.view, spec.group, k_pe=k_pe)
+    mismatched = int((cache.backing != expected.backing).sum())
+    return Result(spec.name, mismatched == 0, mismatched, 0.0 if mismatched == 0 else math.inf)
+
+
 def verify_gather_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
     from kvgen.ops import gather_mxfp4_mla
 
