@@ -48,12 +48,16 @@ def mxfp4_store_and_gather() -> None:
         check(f"gather_mxfp4_mla {dtype}", torch.equal(got.nan_to_num(), exp.nan_to_num()))
 
 
-def mxfp4_rope_store() -> None:
-    from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4_rope
+def mxfp4_rope_store_and_gather() -> None:
+    from kvgen.families.mxfp4_mla.verify import verify_gather_mxfp4_rope, verify_store_mxfp4_rope
 
-    for spec in registry.variants(*runtime.local_target(), family="store_mxfp4_rope_mla"):
-        if spec.group == 32:
-            check(spec.name, verify_store_mxfp4_rope(spec, DEV).passed)
+    for family, verify in (
+        ("store_mxfp4_rope_mla", verify_store_mxfp4_rope),
+        ("gather_mxfp4_rope_mla", verify_gather_mxfp4_rope),
+    ):
+        for spec in registry.variants(*runtime.local_target(), family=family):
+            if spec.group == 32:
+                check(spec.name, verify(spec, DEV).passed)
 
 
 def per_token_head_stores() -> None:
@@ -168,7 +172,7 @@ def decode(spec, h_kv: int) -> None:
 
 if __name__ == "__main__":
     mxfp4_store_and_gather()
-    mxfp4_rope_store()
+    mxfp4_rope_store_and_gather()
     per_token_head_stores()
     mla_cache_stores()
     decodes()

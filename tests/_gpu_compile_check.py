@@ -23,6 +23,7 @@ from kvgen.families.mla_decode import (  # noqa: E402
 )
 from kvgen.families.mxfp4_mla import (  # noqa: E402
     GatherMXFP4MLASpec,
+    GatherMXFP4RopeMLASpec,
     StoreMXFP4MLASpec,
     StoreMXFP4RopeMLASpec,
 )
@@ -73,6 +74,12 @@ for spec in (
     words = "*i64" if spec.dtype == "fp32" else "*i32"
     types = {"words_ptr": words, "pe_ptr": PTR[spec.dtype], "slot_ptr": "*i64", "cache_ptr": "*u8"}
     compile_fn(spec.name, load(spec).store_kernel, types, {"ROWS": 4}, 2)
+for spec in (
+    GatherMXFP4RopeMLASpec(32, 512, "bf16", "paged", rope=64),
+    GatherMXFP4RopeMLASpec(64, 512, "fp16", "flat", rope=64),
+):
+    types = {"cache_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": PTR[spec.dtype]}
+    compile_fn(spec.name, load(spec).gather_kernel, types, {"ROWS": 4})
 spec = GatherMXFP4MLASpec(32, 448, "bf16", "paged")
 compile_fn(
     spec.name,

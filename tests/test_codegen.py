@@ -52,7 +52,9 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
     assert len(names) == len(set(names))
     assert {s.family for s in specs} == {
         "store_mxfp4_mla",
+        "store_mxfp4_rope_mla",
         "gather_mxfp4_mla",
+        "gather_mxfp4_rope_mla",
         "store_kv_per_token_head",
         "store_kv_int4_per_token_head",
         "mla_decode",

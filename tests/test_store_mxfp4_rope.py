@@ -116,3 +116,41 @@ def test_the_torch_op_takes_k_pe(device):
     rope_free = torch.zeros(2, 4, 272, dtype=torch.uint8, device=device)
     torch.ops.kvgen.store_mxfp4_mla(x, slots, rope_free, 32)  # the seed op's four arguments
     assert torch.equal(rope_free.reshape(8, 272)[:4], cache.reshape(8, 400)[:4, :272])
+
+
+GATHERS = registry.variants(ARCH, TARGET, "gather_mxfp4_rope_mla")
+
+
+@pytest.mark.parametrize("spec", GATHERS, ids=lambda s: s.name)
+def test_every_reader_variant_matches_the_reference(spec, device):
+    """Rows with RoPE (NaN, inf, -0 and huge RoPE values among them) read back by slot, the
+    latent dequantized and the RoPE part exact; invalid slots read as zeros; the cache is
+    left untouched."""
+    from kvgen.families.mxfp4_mla.verify import verify_gather_mxfp4_rope
+
+    result = verify_gather_mxfp4_rope(spec, device)
+    assert result.passed, result
+
+
+def test_store_then_read_back(device):
+    """What store_mxfp4_mla(..., k_pe=) wrote, gather_mxfp4_mla(..., rope_dim=64) reads: the
+    dequantized latent and k_pe as bf16, the rows of -1 zero."""
+    from kvgen.ops import gather_mxfp4_mla
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 512, generator=gen).to(torch.bfloat16)
+    pe = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    cache = torch.zeros(3, 4, 400, dtype=torch.uint8, device=device)
+    slots = torch.tensor([5, 0, 11, 2, 7, 9], device=device)
+    store_mxfp4_mla(x.to(device), slots, cache, k_pe=pe.to(device))
+    read = torch.tensor([11, -1, 5], device=device)
+    got = gather_mxfp4_mla(cache, read, 512, rope_dim=64, out_dtype=torch.float32).cpu()
+    rows = mla_cache.quantize_mxfp4_rope(x, pe)
+    want = mla_cache.dequantize_mxfp4_rope(rows)
+    assert torch.equal(got[0], want[2]) and torch.equal(got[2], want[0])
+    assert not got[1].any()
+    assert torch.equal(got[0, 512:], pe[2].float())
+    with pytest.raises(ValueError, match="rope_dim .* one of"):
+        gather_mxfp4_mla(cache, read, 512, rope_dim=48)
+    with pytest.raises(ValueError, match="272"):  # rows with RoPE read as rope-free rows
+        gather_mxfp4_mla(cache, read, 512)

@@ -109,6 +109,17 @@ def store_mxfp4_rope(kv_c, k_pe, slot_mapping, cache, group: int = 32) -> None:
     rows[tuple(i.to(cache.device) for i in index)] = encoded.to(cache.device)
 
 
+def gather_mxfp4_rope(cache, slots, latent: int = 512, group: int = 32, rope: int = 64):
+    """Reference of ``gather_mxfp4_mla(..., rope_dim=)``: fp32 [len(slots), latent + rope] on
+    the CPU (``dequantize_mxfp4_rope`` of each slot's row); rows of invalid slots are zeros."""
+    pitch = mxfp4_rope_row_bytes(latent, group, rope)
+    rows, valid, index = mxfp4._slot_index(cache, slots, pitch)
+    out = torch.zeros(slots.shape[0], latent + rope)
+    picked = rows[tuple(i.to(cache.device) for i in index)].cpu()
+    out[valid] = dequantize_mxfp4_rope(picked.reshape(-1, pitch), latent, group)
+    return out
+
+
 def dequantize_mxfp4_rope(rows: torch.Tensor, latent: int = 512, group: int = 32) -> torch.Tensor:
     pitch = mxfp4.row_bytes(latent, group)
     lat = mxfp4.dequantize_rows(rows[:, :pitch], latent, group)

@@ -68,6 +68,8 @@ def _typed(op: torch._ops.OpOverload, schema: str) -> Callable:
                     f"{arg_name} must be a torch.Tensor or None, got {type(args[i]).__name__}"
                 )
         for i, arg_name in ints:
+            if i >= len(args):  # (an argument with a default, not given)
+                continue
             if not isinstance(args[i], int) or isinstance(args[i], bool):
                 raise TypeError(f"{arg_name} must be an int, got {type(args[i]).__name__}")
         return op(*args)

@@ -12,6 +12,7 @@ from kvgen.families.mxfp4_mla import (
     GROUPS,
     ROPES,
     GatherMXFP4MLASpec,
+    GatherMXFP4RopeMLASpec,
     StoreMXFP4MLASpec,
     StoreMXFP4RopeMLASpec,
 )
@@ -92,9 +93,12 @@ def _store_launcher(dt, latent, group, layout, device, rope=0):
 
 
 @cache
-def _gather_launcher(dt, latent, group, layout, device):
+def _gather_launcher(dt, latent, group, layout, device, rope=0):
     arch, target = runtime.target_of(device)
-    spec = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
+    if rope:
+        spec = GatherMXFP4RopeMLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target, rope)
+    else:
+        spec = GatherMXFP4MLASpec(group, latent, _dtypes.NAME[dt], layout, arch, target)
     return spec, load(spec).launch
 
 
@@ -190,21 +194,22 @@ def store_mxfp4_mla(
     _store_op(kv_c_normed, slot_mapping, cache, group, k_pe)
 
 
-def _check_gather(cache, slots, latent, group, out_dtype):
+def _check_gather(cache, slots, latent, group, out_dtype, rope_dim=0):
     _slots("slots", slots, None)
     _check_group(latent, group)
+    _check_rope(latent, group, rope_dim)
     if out_dtype not in _FLOATS:
         raise TypeError(f"out_dtype must be one of {_FLOATS}, got {out_dtype}")
     device = check.same_device(cache=cache, slots=slots)
-    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group))
+    return device, _cache_geometry(cache, MXFP4.row_bytes(latent, group) + 2 * rope_dim)
 
 
-def _run_gather(checked, cache, slots, latent, group, out_dtype):
+def _run_gather(checked, cache, slots, latent, group, out_dtype, rope_dim=0):
     device, (layout, num_slots, block_size, block_stride) = checked
-    out = torch.empty(slots.shape[0], latent, dtype=out_dtype, device=device)
+    out = torch.empty(slots.shape[0], latent + rope_dim, dtype=out_dtype, device=device)
     if slots.shape[0] == 0:
         return out
-    spec, launch = _gather_launcher(out_dtype, latent, group, layout, device)
+    spec, launch = _gather_launcher(out_dtype, latent, group, layout, device, rope_dim)
     meta = runtime.meta_params(spec, num_tokens=slots.shape[0])
     if layout == "paged":
         launch(cache, slots, out, num_slots, block_size, block_stride, **meta)
@@ -213,13 +218,13 @@ def _run_gather(checked, cache, slots, latent, group, out_dtype):
     return out
 
 
-def _fake_gather(checked, cache, slots, latent, group, out_dtype):
-    return torch.empty(slots.shape[0], latent, dtype=out_dtype, device=checked[0])
+def _fake_gather(checked, cache, slots, latent, group, out_dtype, rope_dim=0):
+    return torch.empty(slots.shape[0], latent + rope_dim, dtype=out_dtype, device=checked[0])
 
 
 _gather_op = define(
-    "gather_mxfp4_mla(Tensor cache, Tensor slots, int latent, int group, ScalarType out_dtype)"
-    " -> Tensor",
+    "gather_mxfp4_mla(Tensor cache, Tensor slots, int latent, int group, ScalarType out_dtype, "
+    "int rope_dim=0) -> Tensor",
     _check_gather,
     _run_gather,
     _fake_gather,
@@ -232,13 +237,16 @@ def gather_mxfp4_mla(
     latent: int,
     group: int = GROUP_SIZE,
     out_dtype: torch.dtype = torch.bfloat16,
+    rope_dim: int = 0,
 ) -> torch.Tensor:
     """Read and dequantize the MXFP4 rows of ``slots`` from ``cache``.
 
-    Returns ``[len(slots), latent]`` of ``out_dtype`` (bf16, fp16 or fp32); a row whose slot is
-    negative or past the end of the cache is all zeros. ``cache`` takes the layouts
-    :func:`store_mxfp4_mla` takes. The op is ``torch.ops.kvgen.gather_mxfp4_mla``.
+    Returns ``[len(slots), latent + rope_dim]`` of ``out_dtype`` (bf16, fp16 or fp32); a row
+    whose slot is negative or past the end of the cache is all zeros. ``cache`` takes the
+    layouts :func:`store_mxfp4_mla` takes. ``rope_dim``: the rows' RoPE channels (the rows
+    ``store_mxfp4_mla(..., k_pe=)`` writes, read back after the latent exactly as the bf16
+    stored; 0: rope-free rows). The op is ``torch.ops.kvgen.gather_mxfp4_mla``.
     """
     if not isinstance(out_dtype, torch.dtype):
         raise TypeError(f"out_dtype must be a torch.dtype, got {type(out_dtype).__name__}")
-    return _gather_op(cache, slots, latent, group, out_dtype)
+    return _gather_op(cache, slots, latent, group, out_dtype, rope_dim)

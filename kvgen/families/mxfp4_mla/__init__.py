@@ -72,6 +72,15 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
         return {"rows_per_program": rows, "num_warps": 2, "num_stages": 1}
 
 
+def _check_rope_row(spec) -> None:
+    """Rows with a RoPE part: its bf16 channels follow the scales, 2-byte aligned."""
+    if (spec.latent // spec.group) % 2:
+        raise SpecError(
+            f"{spec.family}: the RoPE part's bf16 needs an even number of scale bytes; "
+            f"latent={spec.latent} / group={spec.group} is odd"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreMXFP4RopeMLASpec(StoreMXFP4MLASpec):
     """``store_mxfp4_mla`` with ``k_pe``: the latent's MXFP4 row (the rope-free row's bytes),
@@ -83,11 +92,7 @@ class StoreMXFP4RopeMLASpec(StoreMXFP4MLASpec):
 
     def check_combination(self) -> None:
         super().check_combination()
-        if (self.latent // self.group) % 2:
-            raise SpecError(
-                f"{self.family}: the RoPE part's bf16 needs an even number of scale bytes; "
-                f"latent={self.latent} / group={self.group} is odd"
-            )
+        _check_rope_row(self)
 
     def derived(self) -> dict[str, Any]:
         d = super().derived()
@@ -102,3 +107,21 @@ class GatherMXFP4MLASpec(_MXFP4Spec):
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         rows = max(1, min(16, next_pow2(max(1, 4096 // self.latent))))
         return {"rows_per_program": rows, "num_warps": 4, "num_stages": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMXFP4RopeMLASpec(GatherMXFP4MLASpec):
+    """``gather_mxfp4_mla(..., rope_dim=)``: the rows ``store_mxfp4_mla(..., k_pe=)`` writes,
+    read back as ``[rows, latent + rope]`` (the latent dequantized, the RoPE part exact)."""
+
+    family: ClassVar[str] = "gather_mxfp4_rope_mla"
+
+    rope: int = axis("r", choices=ROPES, default=64)
+
+    def check_combination(self) -> None:
+        super().check_combination()
+        _check_rope_row(self)
+
+    def derived(self) -> dict[str, Any]:
+        d = super().derived()
+        return d | {"rope": self.rope, "row_bytes": d["row_bytes"] + 2 * self.rope}

@@ -12,6 +12,7 @@ from kvgen.families.mxfp4_mla import (
     LATENTS,
     LAYOUTS,
     GatherMXFP4MLASpec,
+    GatherMXFP4RopeMLASpec,
     StoreMXFP4MLASpec,
     StoreMXFP4RopeMLASpec,
 )
@@ -107,4 +108,34 @@ class GatherMXFP4MLA(_MXFP4Family):
         return gather_problem(spec, bucket, device)
 
 
-FAMILIES = (StoreMXFP4MLA(), StoreMXFP4RopeMLA(), GatherMXFP4MLA())
+class GatherMXFP4RopeMLA(Family):
+    """``gather_mxfp4_mla(..., rope_dim=)``: the rows with the RoPE part read back as
+    ``[rows, latent + rope]``."""
+
+    spec_class = GatherMXFP4RopeMLASpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            GatherMXFP4RopeMLASpec(group, 512, dt, layout, arch, target, 64)
+            for group, dt, layout in itertools.product(GROUPS, FLOAT_DTYPES, LAYOUTS)
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        return [
+            s
+            for s in self.variants(arch, "gpu")
+            if (s.group, s.layout, s.dtype) == (32, "paged", "bf16")
+        ]
+
+    def verify(self, spec, device):
+        from kvgen.families.mxfp4_mla.verify import verify_gather_mxfp4_rope
+
+        return verify_gather_mxfp4_rope(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mxfp4_mla.tuning import gather_rope_problem
+
+        return gather_rope_problem(spec, bucket, device)
+
+
+FAMILIES = (StoreMXFP4MLA(), StoreMXFP4RopeMLA(), GatherMXFP4MLA(), GatherMXFP4RopeMLA())

@@ -108,3 +108,38 @@ def store_rope_problem(spec, bucket, device):
         return torch.equal(cache.cpu(), want)
 
     return _runner(launch, args), check, n_sets
+
+
+def gather_rope_problem(spec, bucket, device):
+    """The reader of rows with RoPE: rotated (filled cache, slots, output) sets, the cache
+    written by the store with ``k_pe``, checked against the reference."""
+    from kvgen._math import cdiv
+    from kvgen.bench import harness
+    from kvgen.bench.store import BLOCK_SIZE
+    from kvgen.formats import MXFP4, mla_cache
+    from kvgen.ops import store_mxfp4_mla
+
+    t = bucket["num_tokens"]
+    dtype = _dtypes.TORCH[spec.dtype]
+    width = spec.latent + spec.rope
+    pitch = MXFP4.row_bytes(spec.latent, spec.group) + 2 * spec.rope
+    blocks = cdiv(t, BLOCK_SIZE) + 1
+    n_sets = harness.sets_for(t * width * dtype.itemsize + blocks * BLOCK_SIZE * pitch)
+    args = []
+    for _ in range(n_sets):
+        cache = torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device)
+        slots = torch.randperm(blocks * BLOCK_SIZE, device=device)[:t]
+        x = torch.randn(t, spec.latent, device=device)
+        store_mxfp4_mla(x, slots, cache, spec.group, k_pe=torch.randn(t, spec.rope, device=device))
+        out = torch.empty(t, width, dtype=dtype, device=device)
+        args.append(_paged((cache, slots, out), cache))
+    launch = load(spec).launch
+
+    def check(meta):
+        cache, slots, out = args[0][:3]
+        out.fill_(float("nan"))
+        launch(*args[0], **meta)
+        want = mla_cache.gather_mxfp4_rope(cache, slots, spec.latent, spec.group, spec.rope)
+        return torch.equal(out.cpu(), want.to(dtype))
+
+    return _runner(launch, args), check, n_sets

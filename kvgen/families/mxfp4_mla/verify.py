@@ -134,3 +134,39 @@ def verify_gather_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int =
         max_error,
         "" if untouched else "cache modified by a reader",
     )
+
+
+def verify_gather_mxfp4_rope(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
+    """The reader of rows with RoPE: rows written by the reference store (edge-case latents,
+    RoPE rows with specials) read back against the reference reader; the cache untouched."""
+    from kvgen.formats import mla_cache
+    from kvgen.ops import gather_mxfp4_mla
+
+    pitch = MXFP4.row_bytes(spec.latent, spec.group) + 2 * spec.rope
+    x = edge_case_latents(tokens, spec.latent, spec.group, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_pe = torch.randn(tokens, spec.rope, generator=gen)
+    k_pe[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 3.0e38])
+    num_slots = tokens * 2 + 5
+    cache = make_cache(spec.layout, num_slots, pitch, "cpu")
+    slots = make_slots(tokens, num_slots_of(cache.view, pitch), "cpu", seed=seed)
+    mla_cache.store_mxfp4_rope(x, k_pe, slots, cache.view, spec.group)
+    want = mla_cache.gather_mxfp4_rope(cache.view, slots, spec.latent, spec.group, spec.rope)
+    backing = cache.backing.to(device)
+    view = backing.as_strided(cache.view.shape, cache.view.stride(), cache.view.storage_offset())
+    out_dtype = _dtypes.TORCH[spec.dtype]
+    got = gather_mxfp4_mla(
+        view, slots.to(device), spec.latent, spec.group, out_dtype, rope_dim=spec.rope
+    ).cpu()
+    want = want.to(out_dtype)
+    same = (got == want) | (got.isnan() & want.isnan())
+    mismatched = int((~same).sum())
+    err = torch.where(same, 0.0, (got.float() - want.float()).abs().nan_to_num(math.inf))
+    untouched = bool((backing.cpu() == cache.backing).all())
+    return Result(
+        spec.name,
+        mismatched == 0 and untouched,
+        mismatched,
+        float(err.max()) if err.numel() else 0.0,
+        "" if untouched else "cache modified by a reader",
+    )
