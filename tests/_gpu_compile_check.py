@@ -137,6 +137,7 @@ for ds, bh, bn in (
     [(MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))]
     + [(MLADecodeFP8Spec(576, 512, dt), 16, 32) for dt in ("bf16", "fp16")]
     + [(MLADecodeMXFP4Spec(d, 512, dt), 16, 32) for d in (576, 512) for dt in ("bf16", "fp16")]
+    + [(MLADecodeMXFP4Spec(576, 512, "bf16", group=g), 16, 32) for g in (16, 64)]
 ):
     types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}
     types |= {"q_ptr": PTR[ds.dtype], "k_ptr": "*u8", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}

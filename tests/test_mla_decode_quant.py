@@ -134,6 +134,8 @@ def test_kv_format_arguments(device):
         flash_mla_with_kvcache(*args, kv_format="mxfp4")
     with pytest.raises(ValueError, match="kv_format must be one of"):
         flash_mla_with_kvcache(*args, kv_format="int4")
+    with pytest.raises(ValueError, match=r"mxfp4_group must be one of \(16, 32, 64\)"):
+        flash_mla_with_kvcache(*args, mxfp4_group=48)
     with pytest.raises(TypeError, match="kv_format 'auto'"):
         flash_mla_with_kvcache(*args, kv_format="auto")
     fp8 = torch.zeros(2, 16, 1, 576, dtype=torch.float8_e4m3fn, device=device)
@@ -145,27 +147,37 @@ def test_kv_format_arguments(device):
         flash_mla_with_kvcache(q, bf16, table, sl, 512, meta, splits, kv_format="fp8_ds_mla")
 
 
-@pytest.mark.parametrize("d", [576, 512])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mxfp4_decode(d, dtype, device):
-    """MXFP4 rows (group 32; 576 / 512 with the RoPE part as bf16, 400 bytes, or the seed's
-    rope-free 272-byte rows for 512 / 512) against kvgen's decode over the dequantized cache
-    (exact in bf16) and the float64 reference; blocks further apart than a page."""
+@pytest.mark.parametrize(
+    "d,dtype,group",
+    [
+        (576, torch.bfloat16, 32),
+        (576, torch.float16, 32),
+        (512, torch.bfloat16, 32),
+        (512, torch.float16, 32),
+        (576, torch.bfloat16, 16),
+        (512, torch.bfloat16, 64),
+    ],
+)
+def test_mxfp4_decode(d, dtype, group, device):
+    """MXFP4 rows (576 / 512 with the RoPE part as bf16, 400 bytes at group 32, or the seed's
+    rope-free rows for 512 / 512, 272 bytes at group 32; groups 16 and 64 by mxfp4_group=)
+    against kvgen's decode over the dequantized cache (exact in bf16) and the float64
+    reference; blocks further apart than a page."""
     from kvgen.formats import mxfp4
 
-    gen = torch.Generator().manual_seed(d)
+    gen = torch.Generator().manual_seed(d + group)
     seqlens, page = [70, 0, 1, 130], 32
     blocks, table = _table(seqlens, page, gen)
     kv_c = torch.randn(blocks * page, 512, generator=gen)
     kv_c[:, 9] *= 25.0
     if d == 576:
         k_pe = torch.randn(blocks * page, 64, generator=gen).to(torch.bfloat16)
-        rows = mla_cache.quantize_mxfp4_rope(kv_c.to(torch.bfloat16), k_pe)
-        deq = mla_cache.dequantize_mxfp4_rope(rows)
+        rows = mla_cache.quantize_mxfp4_rope(kv_c.to(torch.bfloat16), k_pe, group)
+        deq = mla_cache.dequantize_mxfp4_rope(rows, 512, group)
     else:
-        rows = mxfp4.quantize_rows(kv_c, 32)
-        deq = mxfp4.dequantize_rows(rows, 512, 32)
-    assert rows.shape[1] == (400 if d == 576 else 272)
+        rows = mxfp4.quantize_rows(kv_c, group)
+        deq = mxfp4.dequantize_rows(rows, 512, group)
+    assert rows.shape[1] == 256 + 512 // group + (128 if d == 576 else 0)
     mem = torch.zeros(blocks, page + 2, 1, rows.shape[1], dtype=torch.uint8)
     mem[:, :page] = rows.reshape(blocks, page, 1, -1)
     cache = mem.to(device)[:, :page]
@@ -175,8 +187,13 @@ def test_mxfp4_decode(d, dtype, device):
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
     table = table.to(device)
     meta, splits = get_mla_metadata(sl, 12, 1)
-    out, lse = flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, causal=True)
+    out, lse = flash_mla_with_kvcache(
+        q, cache, table, sl, 512, meta, splits, causal=True, mxfp4_group=group
+    )
     want, want_lse = flash_mla_with_kvcache(q, ref_cache, table, sl, 512, meta, splits, causal=True)
+    if group != 32:  # the default group names another row width: refused, not misread
+        with pytest.raises(ValueError, match=r"MXFP4 rows \(group 32\) .* mxfp4_group="):
+            flash_mla_with_kvcache(q, cache, table, sl, 512, meta, splits, kv_format="mxfp4")
     _assert_matches(out, lse, want, want_lse)
     ref, _ = mla_decode(q.cpu(), ref_cache.cpu().double(), table.cpu(), sl.cpu(), 512, None, True)
     assert (out.cpu().double() - ref).norm() / ref.norm() < 1e-2

@@ -21,15 +21,18 @@ from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 DS_MLA_ROW = ds_mla_row_bytes(512, 64)
 
 
-def _mxfp4_row(d: int, dv: int) -> int:
-    """Bytes of an MXFP4 row (group 32) of latent ``dv`` with the RoPE part (d - dv) as bf16."""
-    return mxfp4_rope_row_bytes(dv, 32, d - dv)
+MXFP4_GROUPS = (16, 32, 64)
+
+
+def _mxfp4_row(d: int, dv: int, group: int = 32) -> int:
+    """Bytes of an MXFP4 row of latent ``dv`` with the RoPE part (d - dv) as bf16."""
+    return mxfp4_rope_row_bytes(dv, group, d - dv)
 
 
 KV_FORMATS = ("auto", "fp8", "fp8_ds_mla", "mxfp4")
 
 
-def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
+def _kv_format(q, k, head_dim_v, kv_format: str, k_scale, mxfp4_group: int = 32) -> str:
     """The cache's format: ``kv_format``, or ("" ) inferred from the cache's dtype and row
     width; a ValueError / TypeError where the cache, the queries or k_scale do not fit it."""
     d = q.shape[3]
@@ -38,7 +41,7 @@ def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
             kv_format = "auto"
         elif k.dtype == torch.uint8 and k.shape[3] == DS_MLA_ROW:
             kv_format = "fp8_ds_mla"
-        elif k.dtype == torch.uint8 and k.shape[3] == _mxfp4_row(d, head_dim_v):
+        elif k.dtype == torch.uint8 and k.shape[3] == _mxfp4_row(d, head_dim_v, mxfp4_group):
             kv_format = "mxfp4"
         elif k.dtype == torch.float8_e4m3fn or (k.dtype == torch.uint8 and k.shape[3] == d):
             kv_format = "fp8"
@@ -53,12 +56,13 @@ def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
     if kv_format == "mxfp4" and (
         (d, head_dim_v) not in ((576, 512), (512, 512))
         or k.dtype != torch.uint8
-        or k.shape[3] != _mxfp4_row(d, head_dim_v)
+        or k.shape[3] != _mxfp4_row(d, head_dim_v, mxfp4_group)
     ):
         raise ValueError(
-            f"MXFP4 rows (group 32) are uint8 [..., {_mxfp4_row(d, head_dim_v)}] bytes for "
+            f"MXFP4 rows (group {mxfp4_group}) are uint8 "
+            f"[..., {_mxfp4_row(d, head_dim_v, mxfp4_group)}] bytes for "
             f"head_dim {d} / head_dim_v {head_dim_v} (576 / 512 with bf16 RoPE, or 512 / 512); "
-            f"got k_cache {k.dtype} {tuple(k.shape)}"
+            f"got k_cache {k.dtype} {tuple(k.shape)} (rows of another group: mxfp4_group=)"
         )
     if kv_format == "auto" and k.dtype != q.dtype:
         raise TypeError(f"k_cache must have q's dtype {q.dtype} (kv_format 'auto'); got {k.dtype}")
@@ -86,15 +90,19 @@ def _kv_format(q, k, head_dim_v, kv_format: str, k_scale) -> str:
     return kv_format
 
 
-def _check_decode(q, k, bt, sl, head_dim_v, meta, ns, scale, causal, pages, kv_format, k_scale):
+def _check_decode(
+    q, k, bt, sl, head_dim_v, meta, ns, scale, causal, pages, kv_format, k_scale, mxfp4_group=32
+):
     """Every check of the decode that needs no data: (device, the cache's format), or an error."""
+    if mxfp4_group not in MXFP4_GROUPS:
+        raise ValueError(f"mxfp4_group must be one of {MXFP4_GROUPS}, got {mxfp4_group}")
     check.dtype("q", q, (torch.bfloat16, torch.float16))
     check.ndim("q", q, 4, "[batch, seq_len_q, num_heads_q, head_dim]")
     batch, s_q, h_q, d = q.shape
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
         raise ValueError("q must be contiguous in its last three dimensions")
     check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
-    fmt = _kv_format(q, k, head_dim_v, kv_format, k_scale)
+    fmt = _kv_format(q, k, head_dim_v, kv_format, k_scale, mxfp4_group)
     h_kv = k.shape[2]
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(
@@ -161,7 +169,20 @@ def _check_pages(k, bt, sl) -> None:
 
 
 def _run_decode(
-    checked, q, k, bt, sl, head_dim_v, meta, ns, softmax_scale, causal, check_pages, _, k_scale
+    checked,
+    q,
+    k,
+    bt,
+    sl,
+    head_dim_v,
+    meta,
+    ns,
+    softmax_scale,
+    causal,
+    check_pages,
+    _,
+    k_scale,
+    mxfp4_group=32,
 ):
     device, fmt = checked  # (fmt: the kv_format argument, resolved by the check)
     if check_pages:
@@ -172,7 +193,7 @@ def _run_decode(
     arch, target = runtime.target_of(device)
     dt = _dtypes.NAME[q.dtype]
     if fmt == "mxfp4":
-        spec = MLADecodeMXFP4Spec(d, head_dim_v, dt, "portable", arch, target)
+        spec = MLADecodeMXFP4Spec(d, head_dim_v, dt, "portable", arch, target, mxfp4_group)
     else:
         if fmt == "fp8":
             k = k.view(torch.uint8)
@@ -193,8 +214,8 @@ def _fake_decode(device, q, k, bt, sl, head_dim_v, *rest):
 _decode_op = define(
     "flash_mla_with_kvcache(Tensor q, Tensor k_cache, Tensor block_table, "
     "Tensor cache_seqlens, int head_dim_v, Tensor tile_scheduler_metadata, Tensor num_splits, "
-    "float? softmax_scale, bool causal, bool check_block_table, str kv_format, Tensor? k_scale) "
-    "-> (Tensor, Tensor)",
+    "float? softmax_scale, bool causal, bool check_block_table, str kv_format, Tensor? k_scale, "
+    "int mxfp4_group=32) -> (Tensor, Tensor)",
     _check_decode,
     _run_decode,
     _fake_decode,
@@ -216,6 +237,7 @@ def flash_mla_with_kvcache(
     kv_format: str | None = None,
     is_fp8_kvcache: bool = False,
     k_scale: torch.Tensor | None = None,
+    mxfp4_group: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention with FlashMLA's arguments and results.
 
@@ -239,10 +261,11 @@ def flash_mla_with_kvcache(
             (uint8, 656-byte rows: 576 / 512, bf16 queries), "fp8" (per tensor: float8_e4m3fn
             or uint8 codes of every channel, with ``k_scale``); default: inferred from the
             cache's dtype and row width. ``is_fp8_kvcache=True`` (FlashMLA's spelling) is
-            "fp8_ds_mla". "mxfp4": uint8 MXFP4 rows (group 32) with the RoPE part as bf16
-            (400 bytes for 576 / 512; 272 for the rope-free 512 / 512). K and V are
-            dequantized on chip, never written back.
+            "fp8_ds_mla". "mxfp4": uint8 MXFP4 rows with the RoPE part as bf16 (group 32: 400
+            bytes for 576 / 512, as ``store_mxfp4_mla(..., k_pe=)`` writes them; 272 for the
+            rope-free 512 / 512). K and V are dequantized on chip, never written back.
         k_scale: the per-tensor fp8 cache's scale, a 1-element fp32 tensor.
+        mxfp4_group: the MXFP4 rows' scale group (16, 32 or 64; default 32).
 
     Returns:
         out [batch, seq_len_q, num_heads_q, head_dim_v] (q's dtype) and lse [batch,
@@ -285,4 +308,5 @@ def flash_mla_with_kvcache(
         bool(check_block_table),
         kv_format or "",
         k_scale,
+        mxfp4_group,
     )

@@ -145,11 +145,14 @@ class MLADecodeFP8Spec(MLADecodeSpec):
 
 @dataclasses.dataclass(frozen=True)
 class MLADecodeMXFP4Spec(MLADecodeSpec):
-    """The decode over MXFP4 rows (group 32, docs/formats.md): the latent's E2M1 codes and E8M0
-    scales, then the RoPE part as bf16 (576 / 512: 400-byte rows) or none (512 / 512: the seed's
-    272-byte rows). K and V are dequantized on chip (exact in bf16). The portable variant."""
+    """The decode over MXFP4 rows (docs/formats.md): the latent's E2M1 codes and E8M0 scales
+    (one per ``group`` channels: 16, 32 or 64), then the RoPE part as bf16 (576 / 512 with
+    group 32: 400-byte rows) or none (512 / 512: the seed's rows, 272 bytes with group 32). K
+    and V are dequantized on chip (exact in bf16). The portable variant."""
 
     family: ClassVar[str] = "mla_decode_mxfp4"
+
+    group: int = axis("g", choices=(16, 32, 64), default=32)
 
     def check_combination(self) -> None:
         super().check_combination()
@@ -159,5 +162,10 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
             raise SpecError(f"{self.family}: only the portable variant reads MXFP4 rows")
 
     def derived(self) -> dict[str, Any]:
-        chunks = self.head_dim_v // 128  # 128 latent channels: 64 code bytes, 4 scale bytes
-        return super().derived() | {"kv_format": "mxfp4", "chunk": 128, "nchunk": chunks}
+        chunks = self.head_dim_v // 128  # 128 latent channels: 64 code bytes, 128 / g scales
+        return super().derived() | {
+            "kv_format": "mxfp4",
+            "chunk": 128,
+            "nchunk": chunks,
+            "mxfp4_group": self.group,
+        }
