@@ -89,10 +89,15 @@ def per_token_head_stores() -> None:
 
 
 def mla_cache_stores() -> None:
-    from kvgen.families.mla_cache.verify import verify_concat_and_cache_mla
+    from kvgen.families.mla_cache.verify import (
+        verify_concat_and_cache_mla,
+        verify_gather_mla_cache,
+    )
 
     for spec in registry.variants(*runtime.local_target(), family="concat_and_cache_mla"):
         check(spec.name, verify_concat_and_cache_mla(spec, DEV).passed)
+    for spec in registry.variants(*runtime.local_target(), family="gather_mla_cache"):
+        check(spec.name, verify_gather_mla_cache(spec, DEV).passed)
 
 
 def quantized_decodes() -> None:

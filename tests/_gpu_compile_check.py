@@ -14,7 +14,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
-from kvgen.families.mla_cache import ConcatAndCacheMLASpec  # noqa: E402
+from kvgen.families.mla_cache import ConcatAndCacheMLASpec, GatherMLACacheSpec  # noqa: E402
 from kvgen.families.mla_decode import (  # noqa: E402
     MLADecodeDSMLASpec,
     MLADecodeFP8Spec,
@@ -132,6 +132,12 @@ for spec in (
     types["scale_ptr"] = "*fp32"
     for tokens in (1, 4):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens})
+
+for spec in (GatherMLACacheSpec("fp8", 512, 64, "bf16"), GatherMLACacheSpec("fp8_ds_mla")):
+    types = {"cache_ptr": "*u8", "slot_ptr": "*i64", "scale_ptr": "*fp32"}
+    types["out_ptr"] = PTR[spec.dtype]
+    for rows in (1, 4):
+        compile_fn(spec.name, load(spec).gather_kernel, types, {"ROWS": rows})
 
 for ds, bh, bn in (
     [(MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))]

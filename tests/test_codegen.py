@@ -59,6 +59,7 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
         "store_kv_int4_per_token_head",
         "mla_decode",
         "concat_and_cache_mla",
+        "gather_mla_cache",
         "mla_decode_fp8_ds_mla",
         "mla_decode_fp8",
         "mla_decode_mxfp4",

@@ -6,7 +6,7 @@ Importing this module needs torch, triton and jinja2 only (never optuna). Kernel
 and compiled on first use for each specialisation, then reused.
 """
 
-from kvgen.ops._mla_cache import concat_and_cache_mla
+from kvgen.ops._mla_cache import concat_and_cache_mla, gather_mla_cache
 from kvgen.ops._mla_decode import flash_mla_with_kvcache
 from kvgen.ops._mla_metadata import MLASchedMeta, get_mla_metadata
 from kvgen.ops._mxfp4_mla import GROUP_SIZE, gather_mxfp4_mla, mxfp4_row_bytes, store_mxfp4_mla
@@ -25,6 +25,7 @@ __all__ = [
     "concat_and_cache_mla",
     "flash_mla_with_kvcache",
     "gather_kv_per_token_head",
+    "gather_mla_cache",
     "gather_mxfp4_mla",
     "get_mla_metadata",
     "MLASchedMeta",

@@ -1,5 +1,6 @@
 """The MLA cache store (vLLM's ``concat_and_cache_mla``): the latent and RoPE parts of each
-token into one cache row, in the cache's format (``kvgen.formats.mla_cache``)."""
+token into one cache row, in the cache's format (``kvgen.formats.mla_cache``); and its reader
+(``gather_mla_cache``), the rows of given slots dequantized."""
 
 from __future__ import annotations
 
@@ -54,3 +55,37 @@ class ConcatAndCacheMLASpec(VariantSpec):
 
     def default_meta(self, num_tokens: int) -> dict[str, int]:
         return {"tokens_per_program": 1 if num_tokens <= 64 else 4, "num_warps": 4}
+
+
+#: the formats the reader's kernel dequantizes ("auto" rows are the values themselves)
+READ_FORMATS = ("fp8", "fp8_ds_mla")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherMLACacheSpec(VariantSpec):
+    """``gather_mla_cache``: the fp8 / fp8_ds_mla rows of given slots as ``[rows, latent +
+    rope]`` of ``dtype`` (code * k_scale, or code * the tile's scale and the bf16 RoPE part)."""
+
+    family: ClassVar[str] = "gather_mla_cache"
+
+    fmt: str = axis("", choices=READ_FORMATS, default="fp8_ds_mla")
+    latent: int = axis("l", choices=LATENTS, default=512)
+    rope: int = axis("r", choices=ROPES, default=64)
+    dtype: str = axis("", choices=FLOAT_DTYPES, default="fp32")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    @property
+    def row_bytes(self) -> int:
+        return ConcatAndCacheMLASpec(self.fmt, self.latent, self.rope).row_bytes
+
+    def derived(self) -> dict[str, Any]:
+        return {
+            "out_dtype": self.dtype,
+            "torch_dtype": _dtypes.SOURCE[self.dtype],
+            "tiles": self.latent // mla_cache.DS_MLA_TILE,
+            "row_bytes": self.row_bytes,
+        }
+
+    def default_meta(self, num_tokens: int) -> dict[str, int]:
+        return {"rows_per_program": 1 if num_tokens <= 64 else 4, "num_warps": 4}

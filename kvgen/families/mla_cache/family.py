@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from kvgen.codegen.spec import VariantSpec
 from kvgen.families._base import Family
-from kvgen.families.mla_cache import CACHE_FORMATS, ConcatAndCacheMLASpec
+from kvgen.families.mla_cache import (
+    CACHE_FORMATS,
+    READ_FORMATS,
+    ConcatAndCacheMLASpec,
+    GatherMLACacheSpec,
+)
 from kvgen.families.mxfp4_mla import FLOAT_DTYPES
 
 
@@ -44,4 +49,30 @@ class ConcatAndCacheMLA(Family):
         return bench.stores(store.mla_cache_cases(bench.device, bench.sizes, fmt))
 
 
-FAMILIES = (ConcatAndCacheMLA(),)
+class GatherMLACache(Family):
+    """``gather_mla_cache``: the fp8 / fp8_ds_mla MLA cache rows of given slots, dequantized."""
+
+    spec_class = GatherMLACacheSpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        return [
+            GatherMLACacheSpec(fmt, 512, 64, dt, arch, target)
+            for fmt in READ_FORMATS
+            for dt in FLOAT_DTYPES
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        return [s for s in self.variants(arch, "gpu") if s.dtype == "bf16"]
+
+    def verify(self, spec, device):
+        from kvgen.families.mla_cache.verify import verify_gather_mla_cache
+
+        return verify_gather_mla_cache(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.mla_cache.tuning import gather_problem
+
+        return gather_problem(spec, bucket, device)
+
+
+FAMILIES = (ConcatAndCacheMLA(), GatherMLACache())

@@ -35,3 +35,34 @@ def store_problem(spec, bucket, device):
         return torch.equal(cache.cpu(), want)
 
     return run, check, case.n_sets
+
+
+def gather_problem(spec, bucket, device):
+    """The reader over the store's bench sets (caches filled by ``concat_and_cache_mla``), each
+    read back by its slots into an output buffer, checked against the reference."""
+    from kvgen.bench.store import mla_cache_cases
+    from kvgen.families.mla_cache.verify import reference_rows
+    from kvgen.ops import concat_and_cache_mla
+
+    t = bucket["num_tokens"]
+    dtype = _dtypes.TORCH[spec.dtype]
+    case = next(mla_cache_cases(device, (t,), spec.fmt, torch.bfloat16))
+    launch = load(spec).launch
+    scale = torch.tensor([0.05], device=device)
+    sets = []
+    for kv, pe, cache, slots in case.data:
+        concat_and_cache_mla(kv, pe, cache, slots, spec.fmt, scale)
+        out = torch.empty(t, spec.latent + spec.rope, dtype=dtype, device=device)
+        sets.append((cache.view(torch.uint8), slots, scale, out))
+
+    def run(i, meta):
+        launch(*sets[i], **meta)
+
+    def check(meta):
+        cache, slots, _, out = sets[0]
+        out.fill_(float("nan"))
+        launch(*sets[0], **meta)
+        want = reference_rows(spec.fmt, cache, slots, scale).to(dtype)
+        return bool(((out.cpu() == want) | (out.cpu().isnan() & want.isnan())).all())
+
+    return run, check, case.n_sets

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvgen import _dtypes
+from kvgen.families.mla_cache import ConcatAndCacheMLASpec
 from kvgen.verify import Result, guarded, make_slots
 
 BLOCK_SIZE = 16
@@ -65,3 +66,56 @@ def verify_concat_and_cache_mla(spec, device) -> Result:
     got = cache.backing.cpu()
     mismatched = int((got != want).sum())
     return Result(spec.name, mismatched == 0, mismatched, float(mismatched), "")
+
+
+def reference_rows(fmt: str, cache, slots, k_scale) -> torch.Tensor:
+    """What ``gather_mla_cache`` returns, from the references: fp32 [len(slots), width] on
+    the CPU, the rows of negative and out-of-range slots zeros."""
+    from kvgen.formats import mla_cache
+
+    cache = cache.cpu()
+    num_blocks, block_size, row = cache.shape
+    slots = slots.to(torch.int64).cpu()
+    valid = (slots >= 0) & (slots < num_blocks * block_size)
+    s = slots[valid]
+    rows = cache.view(torch.uint8)[s // block_size, s % block_size]
+    if fmt == "fp8_ds_mla":
+        deq = mla_cache.dequantize_fp8_ds_mla(rows)
+    else:
+        deq = mla_cache.dequantize_fp8_per_tensor(rows, k_scale.cpu())
+    out = torch.zeros(slots.shape[0], deq.shape[1])
+    out[valid] = deq
+    return out
+
+
+def verify_gather_mla_cache(spec, device) -> Result:
+    """Rows written by the reference store from edge-case rows (NaN and inf tiles, ties,
+    zeros) into a guarded cache whose blocks are further apart than their rows, read back by
+    slot (with skipped and out-of-range slots) against the reference; the cache untouched."""
+    from kvgen.formats import mla_cache
+    from kvgen.ops import gather_mla_cache
+
+    tokens, num_blocks = 37, 4
+    kv_c, k_pe = edge_case_rows(tokens, spec.latent, spec.rope, torch.float32)
+    store = ConcatAndCacheMLASpec(spec.fmt, spec.latent, spec.rope, "fp32")
+    cache = make_cache(store, num_blocks, "cpu")
+    k_scale = torch.tensor([0.03])
+    mla_cache.store(kv_c, k_pe, cache.view, torch.arange(tokens), spec.fmt, k_scale)
+    slots = make_slots(tokens, num_blocks * BLOCK_SIZE, "cpu")
+    out_dtype = _dtypes.TORCH[spec.dtype]
+    want = reference_rows(spec.fmt, cache.view, slots, k_scale).to(out_dtype)
+    backing = cache.backing.to(device)
+    view = backing.as_strided(cache.view.shape, cache.view.stride(), cache.view.storage_offset())
+    got = gather_mla_cache(
+        view, slots.to(device), spec.fmt, k_scale.to(device), spec.latent, out_dtype
+    ).cpu()
+    same = (got == want) | (got.isnan() & want.isnan())
+    mismatched = int((~same).sum())
+    untouched = bool(torch.equal(backing.cpu(), cache.backing))
+    return Result(
+        spec.name,
+        mismatched == 0 and untouched,
+        mismatched,
+        float(mismatched),
+        "" if untouched else "cache modified by a reader",
+    )
