@@ -8,7 +8,12 @@ import torch
 
 from kvgen.formats import mla_cache
 from kvgen.formats.mla_decode import mla_decode
-from kvgen.ops import concat_and_cache_mla, flash_mla_with_kvcache, get_mla_metadata
+from kvgen.ops import (
+    concat_and_cache_mla,
+    flash_mla_with_kvcache,
+    get_mla_metadata,
+    store_mxfp4_mla,
+)
 
 
 def _table(seqlens, page, gen):
@@ -232,9 +237,9 @@ def _variants():
     arch, target = local_target()
     return [
         s
-        for fam in ("mla_decode_fp8_ds_mla", "mla_decode_fp8")
+        for fam in ("mla_decode_fp8_ds_mla", "mla_decode_fp8", "mla_decode_mxfp4")
         for s in registry.variants(arch, target, fam)
-        if s.dtype == "bf16"
+        if s.dtype == "bf16" and s.head_dim == 576
     ]
 
 
@@ -251,8 +256,8 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     gen = torch.Generator().manual_seed(page + h_q)
     seqlens = [150, 0, 1, 70]
     blocks, table = _table(seqlens, page, gen)
-    fmt = "fp8" if spec.family == "mla_decode_fp8" else "fp8_ds_mla"
-    row = 576 if fmt == "fp8" else 656
+    fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
+    row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
     k_scale = torch.tensor([K_SCALE], device=device)
     mem = torch.zeros(blocks, page + 3, h_kv, row, dtype=torch.uint8, device=device)
     cache = mem[:, :page]
@@ -260,7 +265,10 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
         kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
         one = torch.empty(blocks, page, row, dtype=torch.uint8, device=device)
         slots = torch.arange(blocks * page, device=device)
-        concat_and_cache_mla(kv[:, :512], kv[:, 512:], one, slots, fmt, k_scale)
+        if fmt == "mxfp4":
+            store_mxfp4_mla(kv[:, :512], slots, one, k_pe=kv[:, 512:])
+        else:
+            concat_and_cache_mla(kv[:, :512], kv[:, 512:], one, slots, fmt, k_scale)
         mem[:, :page, head] = one
     deq = dequantized(fmt, cache, k_scale)
     q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(torch.bfloat16).to(device)
