@@ -117,10 +117,11 @@ def quantized_decodes() -> None:
         i += nb
     sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
     k_scale = torch.tensor([K_SCALE], device=DEV)
+    caches = quantized_caches(k, k_scale)
     for h_q in (16, 128):
         q = torch.randn(len(lengths), 2, h_q, 576, device=DEV).to(torch.bfloat16)
         meta, splits = get_mla_metadata(sl, 2 * h_q, 1)
-        for fmt, cache in quantized_caches(k, k_scale).items():
+        for fmt, cache in caches.items():
             out, _ = flash_mla_with_kvcache(
                 q, cache, table, sl, 512, meta, splits, causal=True, k_scale=k_scale
             )

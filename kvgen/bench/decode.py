@@ -116,10 +116,12 @@ def _callers(device, k, fmt="bf16", k_scale=None):
     return out
 
 
-def quantized_caches(k: torch.Tensor, k_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The bf16 cache ``k`` [blocks, page, 1, 576] in each quantized format, written by kvgen's
-    own stores: fp8_ds_mla and per-tensor fp8 by ``concat_and_cache_mla``; MXFP4 (group 32,
-    bf16 RoPE) by ``store_mxfp4_mla(..., k_pe=)``."""
+def quantized_caches(
+    k: torch.Tensor, k_scale: torch.Tensor, formats=("fp8_ds_mla", "fp8", "mxfp4")
+) -> dict[str, torch.Tensor]:
+    """The bf16 cache ``k`` [blocks, page, 1, 576] in each quantized format of ``formats``,
+    written by kvgen's own stores: fp8_ds_mla and per-tensor fp8 by ``concat_and_cache_mla``;
+    MXFP4 (group 32, bf16 RoPE) by ``store_mxfp4_mla(..., k_pe=)``."""
     from kvgen.ops import concat_and_cache_mla, store_mxfp4_mla
 
     blocks, page = k.shape[:2]
@@ -127,13 +129,14 @@ def quantized_caches(k: torch.Tensor, k_scale: torch.Tensor) -> dict[str, torch.
     kv_c, k_pe = flat[:, :HEAD_DIM_V], flat[:, HEAD_DIM_V:]
     slots = torch.arange(flat.shape[0], device=k.device)
     out = {}
-    for fmt in ("fp8_ds_mla", "fp8"):
+    for fmt in [f for f in ("fp8_ds_mla", "fp8") if f in formats]:
         c = torch.empty(blocks, page, 1, ROW_BYTES[fmt], dtype=torch.uint8, device=k.device)
         concat_and_cache_mla(kv_c, k_pe, c, slots, fmt, k_scale)
         out[fmt] = c
-    mx = torch.empty(blocks, page, ROW_BYTES["mxfp4"], dtype=torch.uint8, device=k.device)
-    store_mxfp4_mla(kv_c, slots, mx, k_pe=k_pe)
-    out["mxfp4"] = mx.reshape(blocks, page, 1, ROW_BYTES["mxfp4"])
+    if "mxfp4" in formats:
+        mx = torch.empty(blocks, page, ROW_BYTES["mxfp4"], dtype=torch.uint8, device=k.device)
+        store_mxfp4_mla(kv_c, slots, mx, k_pe=k_pe)
+        out["mxfp4"] = mx.reshape(blocks, page, 1, ROW_BYTES["mxfp4"])
     return out
 
 

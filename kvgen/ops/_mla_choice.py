@@ -19,7 +19,7 @@ def module(spec):
 
 
 @cache
-def _spec(cls, *fields):
+def cached_spec(cls, *fields):
     return cls(*fields)  # validated once per specialisation, not on every call
 
 
@@ -28,13 +28,13 @@ def choose(cls, d, dv, dtype, arch, target, k, rows):
     Hopper variant (wgmma) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU) and its launcher accepts the cache (page size,
     strides, alignment: its ``check_cache``); the portable one otherwise."""
-    portable = _spec(cls, d, dv, dtype, "portable", arch, target)
+    portable = cached_spec(cls, d, dv, dtype, "portable", arch, target)
     others = [
         spec
         for v in VARIANTS
         if v != "portable"
         if available(v, arch, target)
-        for spec in [_spec(cls, d, dv, dtype, v, arch, target)]
+        for spec in [cached_spec(cls, d, dv, dtype, v, arch, target)]
         if _accepts(spec, k, rows)
     ]
     return _tuned_winner(portable, others, rows)
@@ -86,7 +86,7 @@ def schedule_policy(variant: str) -> str:
 
 def _split_policy(arch, target, rows):
     def spec(variant):
-        return _spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
+        return cached_spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
     others = [spec(v) for v in VARIANTS if v != "portable" and available(v, arch, target)]
     best = _tuned_winner(spec("portable"), others, rows)

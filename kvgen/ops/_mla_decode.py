@@ -12,16 +12,17 @@ from kvgen.families.mla_decode import (
     MLADecodeSpec,
     widths_problem,
 )
+from kvgen.formats import MXFP4
 from kvgen.formats.mla_cache import ds_mla_row_bytes, mxfp4_rope_row_bytes
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
-from kvgen.ops._mla_choice import choose, module
+from kvgen.ops._mla_choice import cached_spec, choose, module
 from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 
 DS_MLA_ROW = ds_mla_row_bytes(512, 64)
 
 
-MXFP4_GROUPS = (16, 32, 64)
+MXFP4_GROUPS = MXFP4.groups
 
 
 def _mxfp4_row(d: int, dv: int, group: int = 32) -> int:
@@ -193,7 +194,9 @@ def _run_decode(
     arch, target = runtime.target_of(device)
     dt = _dtypes.NAME[q.dtype]
     if fmt == "mxfp4":
-        spec = MLADecodeMXFP4Spec(d, head_dim_v, dt, "portable", arch, target, mxfp4_group)
+        spec = cached_spec(
+            MLADecodeMXFP4Spec, d, head_dim_v, dt, "portable", arch, target, mxfp4_group
+        )
     else:
         if fmt == "fp8":
             k = k.view(torch.uint8)

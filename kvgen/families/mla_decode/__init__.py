@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from kvgen import _dtypes
+from kvgen import _dtypes, formats
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
 from kvgen.space import ARCH_LIMITS
 
@@ -152,7 +152,7 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
 
     family: ClassVar[str] = "mla_decode_mxfp4"
 
-    group: int = axis("g", choices=(16, 32, 64), default=32)
+    group: int = axis("g", choices=formats.MXFP4.groups, default=formats.MXFP4.default_group)
 
     def check_combination(self) -> None:
         super().check_combination()

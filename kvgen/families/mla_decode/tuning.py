@@ -35,7 +35,8 @@ def problem(spec, bucket, device):
             raise ValueError(f"{spec.name}: tuned on 576 / 512 bf16 caches with one KV head")
         k_scale = torch.tensor([decode.K_SCALE], device=device)
         problems = [
-            (q, decode.quantized_caches(k, k_scale)[fmt], table, sl) for q, k, table, sl in problems
+            (q, decode.quantized_caches(k, k_scale, (fmt,))[fmt], table, sl)
+            for q, k, table, sl in problems
         ]
         extra = {"k_scale": k_scale} if fmt == "fp8" else {}
     sms = torch.cuda.get_device_properties(device).multi_processor_count

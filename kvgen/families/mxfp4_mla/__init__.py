@@ -72,31 +72,32 @@ class StoreMXFP4MLASpec(_MXFP4Spec):
         return {"rows_per_program": rows, "num_warps": 2, "num_stages": 1}
 
 
-def _check_rope_row(spec) -> None:
-    """Rows with a RoPE part: its bf16 channels follow the scales, 2-byte aligned."""
-    if (spec.latent // spec.group) % 2:
-        raise SpecError(
-            f"{spec.family}: the RoPE part's bf16 needs an even number of scale bytes; "
-            f"latent={spec.latent} / group={spec.group} is odd"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
-class StoreMXFP4RopeMLASpec(StoreMXFP4MLASpec):
-    """``store_mxfp4_mla`` with ``k_pe``: the latent's MXFP4 row (the rope-free row's bytes),
-    then the RoPE channels as bf16 (576 / 512: 400-byte rows); the same template."""
-
-    family: ClassVar[str] = "store_mxfp4_rope_mla"
+class _RopeRow:
+    """The ``rope`` axis of the MXFP4 rows that carry the RoPE channels as bf16 after the
+    scales (2-byte aligned: an even number of scale bytes), for a store or reader spec."""
 
     rope: int = axis("r", choices=ROPES, default=64)
 
     def check_combination(self) -> None:
         super().check_combination()
-        _check_rope_row(self)
+        if (self.latent // self.group) % 2:
+            raise SpecError(
+                f"{self.family}: the RoPE part's bf16 needs an even number of scale bytes; "
+                f"latent={self.latent} / group={self.group} is odd"
+            )
 
     def derived(self) -> dict[str, Any]:
         d = super().derived()
         return d | {"rope": self.rope, "row_bytes": d["row_bytes"] + 2 * self.rope}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreMXFP4RopeMLASpec(_RopeRow, StoreMXFP4MLASpec):
+    """``store_mxfp4_mla`` with ``k_pe``: the latent's MXFP4 row (the rope-free row's bytes),
+    then the RoPE channels as bf16 (576 / 512: 400-byte rows); the same template."""
+
+    family: ClassVar[str] = "store_mxfp4_rope_mla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +111,8 @@ class GatherMXFP4MLASpec(_MXFP4Spec):
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherMXFP4RopeMLASpec(GatherMXFP4MLASpec):
+class GatherMXFP4RopeMLASpec(_RopeRow, GatherMXFP4MLASpec):
     """``gather_mxfp4_mla(..., rope_dim=)``: the rows ``store_mxfp4_mla(..., k_pe=)`` writes,
     read back as ``[rows, latent + rope]`` (the latent dequantized, the RoPE part exact)."""
 
     family: ClassVar[str] = "gather_mxfp4_rope_mla"
-
-    rope: int = axis("r", choices=ROPES, default=64)
-
-    def check_combination(self) -> None:
-        super().check_combination()
-        _check_rope_row(self)
-
-    def derived(self) -> dict[str, Any]:
-        d = super().derived()
-        return d | {"rope": self.rope, "row_bytes": d["row_bytes"] + 2 * self.rope}
