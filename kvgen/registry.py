@@ -118,10 +118,12 @@ def _unlisted(name: str, listed: list[VariantSpec]) -> VariantSpec | str | None:
 
 
 def _spelled_target(name: str) -> tuple[str, str] | None:
-    """The (arch, target) a full variant name ends with (``...-sm90-gpu``), if it does."""
-    parts = name.rsplit("-", 2)
-    if len(parts) == 3 and parts[1] in ARCHS and parts[2] in TARGETS:
-        return parts[1], parts[2]
+    """The (arch, target) a full variant name spells (``...-sm90-gpu``, or followed by the
+    fields a subclass spec adds, ``...-sm90-gpu-g32``), if it does."""
+    parts = name.split("-")
+    for arch, target in zip(parts[-2::-1], parts[:0:-1], strict=True):
+        if arch in ARCHS and target in TARGETS:
+            return arch, target
     return None
 
 

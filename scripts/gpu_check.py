@@ -138,11 +138,11 @@ def quantized_decodes() -> None:
 
 
 def quantized_variants(fmt: str):
-    family = {"fp8": "mla_decode_fp8", "fp8_ds_mla": "mla_decode_fp8_ds_mla"}.get(fmt)
-    if family is None:
-        return []
+    family = {"fp8": "mla_decode_fp8", "mxfp4": "mla_decode_mxfp4"}.get(
+        fmt, "mla_decode_fp8_ds_mla"
+    )
     specs = registry.variants(*runtime.local_target(), family=family)
-    return [s for s in specs if s.dtype == "bf16"]
+    return [s for s in specs if s.dtype == "bf16" and s.head_dim == 576]
 
 
 def decodes() -> None:

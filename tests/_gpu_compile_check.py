@@ -164,11 +164,15 @@ WGMMA_ALIGNED = (
     "stride_q_row",
 )
 
-# The wgmma decode over fp8 caches: the loader partition stages the rows' bytes and dequantizes
+# The wgmma decode over quantized caches: the loader partition stages the rows' bytes and
+# dequantizes them
 for ds, bn, bufs, in_page in (
     (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
     (MLADecodeFP8Spec(576, 512, "fp16", "wgmma"), 16, 4, False),
     (MLADecodeDSMLASpec(576, 512, "bf16", "wgmma"), 32, 2, False),
+    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
+    (MLADecodeMXFP4Spec(512, 512, "bf16", "wgmma", group=16), 16, 4, False),
+    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma", group=64), 64, 1, True),
 ):
     dt = PTR[ds.dtype]
     types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}

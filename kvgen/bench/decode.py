@@ -72,11 +72,12 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
     return q, k_cache, table, sl
 
 
-def _callers(device, k, fmt="bf16", k_scale=None):
+def _callers(device, k, fmt="bf16", k_scale=None, variants=None):
     """(label, call) pairs for the 576/512 decode (bf16 queries) on cache ``k`` in format
-    ``fmt``: every variant this arch has for that cache, launched directly with its tuned (or
-    default) meta-parameters, and ``auto`` (``auto <fmt>`` for a quantized cache): the op,
-    whose wrapper picks the variant. ``call(q, table, seqlens, meta, splits) -> (out, lse)``."""
+    ``fmt``: every variant this arch has for that cache (of ``variants``, default all),
+    launched directly with its tuned (or default) meta-parameters, and ``auto`` (``auto <fmt>``
+    for a quantized cache): the op, whose wrapper picks the variant. ``call(q, table, seqlens,
+    meta, splits) -> (out, lse)``."""
     from kvgen import runtime
     from kvgen.codegen import load
     from kvgen.codegen.spec import SpecError
@@ -93,6 +94,8 @@ def _callers(device, k, fmt="bf16", k_scale=None):
     extra = {"k_scale": k_scale} if fmt == "fp8" else {}
     out = []
     for v in md.VARIANTS:
+        if variants is not None and v not in variants:
+            continue
         try:
             spec = cls(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
         except SpecError:
@@ -202,10 +205,20 @@ def _correct(call, q, table, sl, h, ref) -> bool:
     return bool((out.cpu().double() - ref).norm() / ref.norm() < 1e-2)
 
 
-def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> list[DecodeRow]:
+def run(
+    device,
+    copy_bw: float,
+    mm_rate: float,
+    heads=HEADS,
+    progress=None,
+    variants=None,
+    batches=("equal", "mixed"),
+    rounds=ROUNDS,
+) -> list[DecodeRow]:
     """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches, and
     the op over each quantized cache of the same keys (``auto fp8_ds_mla``, ...), with its time
-    relative to the op's over the bf16 cache.
+    relative to the op's over the bf16 cache. ``variants`` (default all) and ``batches`` (of
+    "equal", "mixed") narrow the run.
 
     Each caller is timed once a round, ROUNDS rounds, the order rotated each round,
     and its median kept; each timing starts after the graph has run for a while on its own
@@ -217,27 +230,28 @@ def run(device, copy_bw: float, mm_rate: float, heads=HEADS, progress=None) -> l
 
     rows = []
     equal = [SEQLEN] * BATCH
-    for name, lengths in (
-        ("equal 4096", equal),
-        ("mixed 1-16384", mixed_lengths(sum(equal), BATCH)),
-    ):
+    named = {"equal": ("equal 4096", equal)}
+    named["mixed"] = ("mixed 1-16384", mixed_lengths(sum(equal), BATCH))
+    for name, lengths in (named[b] for b in batches):
         for h in heads:
             q, k, table, sl = _make(lengths, h, device)
             sub = slice(0, 3)  # the float64 reference runs on the CPU: a few sequences
             ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
-            callers = [(label, call, "bf16", ref) for label, call in _callers(device, k)]
+            callers = [
+                (label, call, "bf16", ref) for label, call in _callers(device, k, variants=variants)
+            ]
             k_scale = torch.tensor([K_SCALE], device=device)
             for fmt, cache in quantized_caches(k, k_scale).items():
                 deq = dequantized(fmt, cache, k_scale).cpu()
                 fmt_ref, _ = mla_decode(
                     q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
                 )  # (over the dequantized cache: what the op attends over)
-                for label, call in _callers(device, cache, fmt, k_scale):
+                for label, call in _callers(device, cache, fmt, k_scale, variants):
                     callers.append((label, call, fmt, fmt_ref))
             meta, splits = get_mla_metadata(sl, h, 1)
             args = (q, table, sl, meta, splits)
             times = {label: [] for label, *_ in callers}
-            for r in range(min(len(callers), ROUNDS)):
+            for r in range(min(len(callers), rounds)):
                 for label, call, *_ in callers[r:] + callers[:r]:
                     times[label].append(_graph_us(call, args))
             bf16_time = statistics.median(times["auto"])

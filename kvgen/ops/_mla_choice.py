@@ -9,6 +9,7 @@ import torch
 
 from kvgen import runtime
 from kvgen.codegen import load
+from kvgen.codegen.spec import SpecError
 from kvgen.families.mla_decode import VARIANTS, MLADecodeSpec, available
 
 
@@ -23,21 +24,30 @@ def cached_spec(cls, *fields):
     return cls(*fields)  # validated once per specialisation, not on every call
 
 
-def choose(cls, d, dv, dtype, arch, target, k, rows):
+def choose(cls, d, dv, dtype, arch, target, k, rows, *more):
     """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
     Hopper variant (wgmma) only where it has been tuned on this arch (tuning checks every
-    candidate against the reference on the GPU) and its launcher accepts the cache (page size,
-    strides, alignment: its ``check_cache``); the portable one otherwise."""
-    portable = cached_spec(cls, d, dv, dtype, "portable", arch, target)
+    candidate against the reference on the GPU), the spec exists (``SpecError`` otherwise) and
+    its launcher accepts the cache (page size, strides, alignment: its ``check_cache``); the
+    portable one otherwise. ``more``: the spec's fields after ``target`` (the MXFP4 group)."""
+    portable = cached_spec(cls, d, dv, dtype, "portable", arch, target, *more)
     others = [
         spec
         for v in VARIANTS
         if v != "portable"
         if available(v, arch, target)
-        for spec in [cached_spec(cls, d, dv, dtype, v, arch, target)]
-        if _accepts(spec, k, rows)
+        for spec in [_spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
+        if spec is not None and _accepts(spec, k, rows)
     ]
     return _tuned_winner(portable, others, rows)
+
+
+@cache
+def _spec_or_none(*fields):
+    try:
+        return cached_spec(*fields)
+    except SpecError:  # (e.g. no wgmma MXFP4 decode for fp16 queries)
+        return None
 
 
 def _accepts(spec, k, rows) -> bool:

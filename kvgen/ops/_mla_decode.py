@@ -16,7 +16,7 @@ from kvgen.formats import MXFP4
 from kvgen.formats.mla_cache import ds_mla_row_bytes, mxfp4_rope_row_bytes
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
-from kvgen.ops._mla_choice import cached_spec, choose, module
+from kvgen.ops._mla_choice import choose, module
 from kvgen.ops._mla_metadata import METADATA_SIZE, MLASchedMeta
 
 DS_MLA_ROW = ds_mla_row_bytes(512, 64)
@@ -194,9 +194,7 @@ def _run_decode(
     arch, target = runtime.target_of(device)
     dt = _dtypes.NAME[q.dtype]
     if fmt == "mxfp4":
-        spec = cached_spec(
-            MLADecodeMXFP4Spec, d, head_dim_v, dt, "portable", arch, target, mxfp4_group
-        )
+        spec = choose(MLADecodeMXFP4Spec, d, head_dim_v, dt, arch, target, k, rows, mxfp4_group)
     else:
         if fmt == "fp8":
             k = k.view(torch.uint8)

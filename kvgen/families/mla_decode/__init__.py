@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from kvgen import _dtypes, formats
 from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
+from kvgen.formats.mla_cache import ds_mla_row_bytes, mxfp4_rope_row_bytes
 from kvgen.space import ARCH_LIMITS
 
 WIDTHS = ((576, 512), (512, 512), (288, 256))
@@ -57,6 +58,10 @@ class MLADecodeSpec(VariantSpec):
     target: str = axis("", choices=TARGETS, default="gpu")
 
     @property
+    def rope(self) -> int:
+        return self.head_dim - self.head_dim_v
+
+    @property
     def template(self) -> str:  # one template (and search space) per algorithm
         return TEMPLATES[self.variant]
 
@@ -80,6 +85,9 @@ class MLADecodeSpec(VariantSpec):
             "nchunk": 1,
             "gl_dtype": _dtypes.SOURCE[self.dtype],
             "kv_format": "auto",  # the cache holds the queries' dtype
+            # bytes of a cache row the wgmma loader stages before dequantizing (0: none, the
+            # tiles are copied as they are)
+            "staged_row_bytes": 0,
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
@@ -128,7 +136,12 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
 
     def derived(self) -> dict[str, Any]:
         # chunks of 128 latent channels: one fp32 scale each
-        return super().derived() | {"kv_format": "fp8_ds_mla", "chunk": 128, "nchunk": 4}
+        return super().derived() | {
+            "kv_format": "fp8_ds_mla",
+            "chunk": 128,
+            "nchunk": 4,
+            "staged_row_bytes": ds_mla_row_bytes(self.head_dim_v, self.rope),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +153,7 @@ class MLADecodeFP8Spec(MLADecodeSpec):
     family: ClassVar[str] = "mla_decode_fp8"
 
     def derived(self) -> dict[str, Any]:
-        return super().derived() | {"kv_format": "fp8"}
+        return super().derived() | {"kv_format": "fp8", "staged_row_bytes": self.head_dim}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +161,8 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
     """The decode over MXFP4 rows (docs/formats.md): the latent's E2M1 codes and E8M0 scales
     (one per ``group`` channels: 16, 32 or 64), then the RoPE part as bf16 (576 / 512 with
     group 32: 400-byte rows) or none (512 / 512: the seed's rows, 272 bytes with group 32). K
-    and V are dequantized on chip (exact in bf16). The portable variant."""
+    and V are dequantized on chip (exact in bf16). Portable, and wgmma for bf16 queries (the
+    loader partition dequantizes)."""
 
     family: ClassVar[str] = "mla_decode_mxfp4"
 
@@ -158,8 +172,11 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
         super().check_combination()
         if (self.head_dim, self.head_dim_v) not in ((576, 512), (512, 512)):
             raise SpecError(f"{self.family}: MXFP4 rows are 576 / 512 or 512 / 512")
-        if self.variant != "portable":
-            raise SpecError(f"{self.family}: only the portable variant reads MXFP4 rows")
+        if self.variant == "wgmma" and self.dtype != "bf16":
+            raise SpecError(
+                f"{self.family}: the wgmma variant reads MXFP4 rows for bf16 queries (fp16: "
+                "the portable variant)"
+            )
 
     def derived(self) -> dict[str, Any]:
         chunks = self.head_dim_v // 128  # 128 latent channels: 64 code bytes, 128 / g scales
@@ -168,4 +185,5 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
             "chunk": 128,
             "nchunk": chunks,
             "mxfp4_group": self.group,
+            "staged_row_bytes": mxfp4_rope_row_bytes(self.head_dim_v, self.group, self.rope),
         }

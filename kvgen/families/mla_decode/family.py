@@ -119,15 +119,17 @@ class MLADecodeFP8(_QuantizedDecode):
 
 class MLADecodeMXFP4(_QuantizedDecode):
     """``flash_mla_with_kvcache`` over MXFP4 rows (group 32, RoPE as bf16 or none), K and V
-    dequantized on chip; the portable variant."""
+    dequantized on chip; the portable variant and, on sm90, the wgmma one (bf16 queries)."""
 
     spec_class = MLADecodeMXFP4Spec
 
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
         return [
-            MLADecodeMXFP4Spec(d, 512, dt, "portable", arch, target)
+            MLADecodeMXFP4Spec(d, 512, dt, v, arch, target)
             for d in (576, 512)
             for dt in ("bf16", "fp16")
+            for v in VARIANTS
+            if available(v, arch, target) and (v == "portable" or dt == "bf16")
         ]
 
     def verify(self, spec, device):
