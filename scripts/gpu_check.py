@@ -176,12 +176,25 @@ def decode(spec, h_kv: int) -> None:
     check(f"{spec.name} h_kv={h_kv} {mp}", rel < 1e-2)
 
 
+SECTIONS = {
+    f.__name__: f
+    for f in (
+        mxfp4_store_and_gather,
+        mxfp4_rope_store_and_gather,
+        per_token_head_stores,
+        mla_cache_stores,
+        decodes,
+        quantized_decodes,
+    )
+}
+
 if __name__ == "__main__":
-    mxfp4_store_and_gather()
-    mxfp4_rope_store_and_gather()
-    per_token_head_stores()
-    mla_cache_stores()
-    decodes()
-    quantized_decodes()
+    # python scripts/gpu_check.py [section ...]: the sections named (default: all)
+    unknown = set(sys.argv[1:]) - set(SECTIONS)
+    if unknown:
+        sys.exit(f"unknown sections {sorted(unknown)}; sections: {', '.join(SECTIONS)}")
+    for name, section in SECTIONS.items():
+        if name in sys.argv[1:] or len(sys.argv) == 1:
+            section()
     print(f"{len(failures)} failed" if failures else "all ok")
     sys.exit(1 if failures else 0)

@@ -59,7 +59,17 @@ def _prmt(a, b, sel):
 
 def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute ``asm`` (one block of the subset of PTX the dequantizers use) on uint32 arrays;
-    ``inputs`` maps operands ($2, ...) to their values. Returns every register."""
+    ``inputs`` maps operands ($2, ...) to their values. Returns every register.
+
+    Inline asm may give an output operand the register of an input, so the interpreter
+    refuses an input read after an output was written."""
+    written = []
+    for line in asm.splitlines():
+        ops = [o.strip() for o in line.strip().rstrip(";").partition(" ")[2].split(",")]
+        if ops[0].startswith("$") and ops[0] not in inputs:
+            written.append(ops[0])
+        late = [o for o in ops[1:] if o in inputs and written]
+        assert not late, f"{line.strip()!r} reads {late} after {written} was written"
     regs = dict(inputs)
     with np.errstate(over="ignore", invalid="ignore"):  # (inf and NaN results are modelled)
         for line in asm.splitlines():

@@ -280,3 +280,48 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
     want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
     _assert_matches(out, lse, want, want_lse)
+
+
+@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
+def test_one_key_reads_back_its_row(spec, device):
+    """A sequence of one key attends to that key alone (P = 1): its out is the key's V, the
+    dequantized latent, which each format's values make exact in the queries' dtype; so out
+    equals the reference dequantization exactly (but for the sign of a zero), for every row
+    (on a GPU 96 rows, scaled over 24 binades: nearly every code of each format) and every
+    variant."""
+    from kvgen.bench.decode import K_SCALE, dequantized
+    from kvgen.codegen import load
+
+    gen = torch.Generator().manual_seed(7)
+    fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
+    row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
+    batch, page = (96, 32) if device.type == "cuda" else (12, 16)  # (the interpreter: fewer)
+    kv = (torch.randn(batch * page, 576, generator=gen) * 4).to(torch.bfloat16).to(device)
+    kv[:, :512] *= torch.exp2(torch.randint(-12, 12, (1, 512), generator=gen)).to(device)
+    cache = torch.empty(batch, page, 1, row, dtype=torch.uint8, device=device)
+    slots = torch.arange(batch * page, device=device)
+    k_scale = torch.tensor([K_SCALE], device=device)
+    if fmt == "mxfp4":
+        store_mxfp4_mla(kv[:, :512], slots, cache.view(batch, page, row), k_pe=kv[:, 512:])
+    else:
+        concat_and_cache_mla(kv[:, :512], kv[:, 512:], cache, slots, fmt, k_scale)
+    # sequence b: the single key at row b % page of page b (a different row each)
+    table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    sl = torch.ones(batch, dtype=torch.int32, device=device)
+    # keys placed so that sequence b's one key is row b % page: shift the pages' rows
+    rolled = torch.stack([cache[b].roll(-(b % page), dims=0) for b in range(batch)])
+    q = torch.randn(batch, 1, 16, 576, generator=gen).to(torch.bfloat16).to(device)
+    meta, splits = get_mla_metadata(sl, 16, 1)
+    mp = spec.default_meta(rows=16) | ({"k_scale": k_scale} if fmt == "fp8" else {})
+    out, lse = load(spec).launch(q, rolled, table, sl, meta, splits, 576**-0.5, False, **mp)
+    want = dequantized(fmt, rolled[:, :1], k_scale)[:, 0, 0, :512]  # [batch, 512] bf16
+    got = out[:, 0]  # [batch, 16, 512]: every head reads the same V
+    # equal values (a -0 in V sums to +0), NaN where the reference is NaN
+    bad = got.float() != want[:, None, :].float()
+    bad &= ~(torch.isnan(got) & torch.isnan(want[:, None, :]))
+    where = bad.nonzero()[:8].tolist()
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.numel()} outputs differ, e.g. [b, head, channel] {where}: "
+        f"got {[float(got[b, h, c]) for b, h, c in where]}, "
+        f"want {[float(want[b, c]) for b, _, c in where]}"
+    )

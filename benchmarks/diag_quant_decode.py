@@ -1,0 +1,133 @@
+"""What bounds the wgmma decode over a quantized cache: time the kernel with one stage of its
+loader left out (METHOD: time variants that leave a stage out, take differences).
+
+Each experiment patches the generated module's text (the result is wrong where a stage is left
+out: only the time is read) and is timed on FlashMLA's batch (128 x 4096 keys, page 64) against
+the unpatched kernel, in the same run:
+
+  base      the kernel as generated
+  nodequant the loader skips dequantizing (the K buffers keep what they hold)
+  nocopy    the loader issues no copies (its staging buffers keep what they hold)
+  nopage    each tile's page is its index in the sequence (no block-table load; 64 pages in all)
+  nowaitk   the loader does not wait for the K buffer to be free
+and the configs (block_n, num_stages) of the space that fit.
+
+    python -P benchmarks/diag_quant_decode.py --format fp8_ds_mla --heads 16,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvgen import runtime
+from kvgen.bench import decode, harness
+from kvgen.codegen import load
+from kvgen.codegen.render import module_path
+from kvgen.families import mla_decode as md
+from kvgen.ops import get_mla_metadata
+
+PATCHES = {
+    "nodequant": [
+        (
+            "            dequant_tile(codes, scales, rope_raw, j % NUM_RAW, k_words.index(buf),\n"
+            "                         k_rope_out.index(buf), k_scale, BLOCK_N)  # fmt: skip\n",
+            "",
+        )
+    ],
+    "nocopy": [
+        (
+            "                raw_copy(raw, jc % NUM_RAW, k_ptr, pages, cstart, chi, page_size, "
+            "stride_k_block,\n"
+            "                         stride_k_row, BLOCK_N, TILE_IN_PAGE)  # fmt: skip\n",
+            "",
+        )
+    ],
+    "nopage": [
+        (
+            "        page = gl.load(pages + start // page_size, mask=start < hi, other=0)\n"
+            "        return k_ptr + page.to(gl.int64)",
+            "        page = start // page_size\n        return k_ptr + page.to(gl.int64)",
+        )
+    ],
+    "nowaitk": [
+        (
+            "            mbarrier.wait(k_empty.index(buf), ((j // NUM_BUF) & 1) ^ 1)  # both "
+            "warpgroups done\n            dequant_tile(",
+            "            dequant_tile(",
+        )
+    ],
+}
+
+
+def patched(spec, name):
+    """The generated module of ``spec`` with the text of experiment ``name`` replaced."""
+    load(spec)  # (renders it)
+    text = module_path(spec).read_text()
+    for old, new in PATCHES[name]:
+        if text.count(old) != 1:
+            raise SystemExit(f"{name}: the patch's text is not in {spec.name} once")
+        text = text.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"{spec.name.replace('-', '_')}_{name}.py"
+    path.write_text(text)
+    mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[path.stem] = mod
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", default="fp8_ds_mla", choices=("fp8_ds_mla", "fp8", "mxfp4"))
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--experiments", default="base,nodequant,nocopy,nopage,nowaitk")
+    ap.add_argument("--configs", default="32x2,16x4,64x1", help="block_n x num_stages")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    arch, target = runtime.target_of(device)
+    cls = {"fp8_ds_mla": md.MLADecodeDSMLASpec, "fp8": md.MLADecodeFP8Spec}
+    spec = cls.get(args.format, md.MLADecodeMXFP4Spec)(576, 512, "bf16", "wgmma", arch, target)
+    k_scale = torch.tensor([decode.K_SCALE], device=device)
+    extra = {"k_scale": k_scale} if args.format == "fp8" else {}
+    copy_bw = harness.copy_bandwidth(device)
+    print(f"{spec.name}; copy {copy_bw / 1e9:.0f} GB/s")
+    mods = {}
+    for name in args.experiments.split(","):
+        mods[name] = load(spec) if name == "base" else patched(spec, name)
+    equal = [decode.SEQLEN] * decode.BATCH
+    for h in (int(x) for x in args.heads.split(",")):
+        q, k, table, sl = decode._make(equal, h, device)
+        cache = decode.quantized_caches(k, k_scale, (args.format,))[args.format]
+        del k
+        meta, splits = get_mla_metadata(sl, h, 1)
+        nbytes = sum(equal) * cache.shape[-1]
+        for cfg in args.configs.split(","):
+            bn, st = (int(x) for x in cfg.split("x"))
+            mp = {"block_n": bn, "num_stages": st, "split_factor": 1}
+            for name, mod in mods.items():
+                if name != "base" and cfg != args.configs.split(",")[0]:
+                    continue  # (the experiments at the first config only)
+
+                call = (q, cache, table, sl, meta, splits, 576**-0.5, False)
+
+                def step(i, mod=mod, mp=mp, call=call):
+                    mod.launch(*call, **mp, **extra)
+
+                try:
+                    t = harness.graph_time_us(step, 1, calls=8, replays=5)
+                except Exception as exc:  # a config that does not fit
+                    print(f"h={h:<4} {cfg:<6} {name:<10} failed: {str(exc)[-120:]}")
+                    continue
+                ratio = nbytes / (t * 1e-6) / copy_bw
+                print(f"h={h:<4} {cfg:<6} {name:<10} {t:8.1f} us  {ratio:.3f} of copy", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
