@@ -142,14 +142,18 @@ def test_written_json_is_valid_sorted_and_atomic(tmp_path):
 
 
 def test_committed_configs_match_the_schema():
+    from kvgen import registry
     from kvgen._resources import tuned_configs_dir
 
     for path in tuned_configs_dir().glob("*/*.json"):
         doc = json.loads(path.read_text())
-        assert configs.validate(doc, path.parent.name, path.stem) == [], path
+        arch = path.parent.name
+        assert configs.validate(doc, arch, path.stem) == [], path
         for variant, buckets in doc["entries"].items():
+            # a GPU variant of this arch and of the file's family
+            (spec,) = registry.lookup([variant], arch, "gpu")
+            assert (spec.arch, spec.target, spec.family) == (arch, "gpu", path.stem)
             for entry in buckets.values():
-                assert variant.endswith(f"-{path.parent.name}-gpu")
                 assert isinstance(entry["meta"], dict)
 
 
