@@ -406,7 +406,9 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
         "plan = pickle.load(open(sys.argv[1], 'rb'))\n"
         "parallel.run_workers(plan, ['a', 'b'], log=lambda s: print(s, flush=True))\n"
     )
-    env = {**os.environ, **_env(log, sleep=0.3)}
+    # 1 s a trial: the 24 trials take the two workers ~12 s, so that the interrupt below comes
+    # while they run also on a slow machine (at 0.3 s a trial one CI run finished first)
+    env = {**os.environ, **_env(log, sleep=1.0)}
     p = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "plan.pkl")],
         env=env,
