@@ -406,9 +406,7 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
         "plan = pickle.load(open(sys.argv[1], 'rb'))\n"
         "parallel.run_workers(plan, ['a', 'b'], log=lambda s: print(s, flush=True))\n"
     )
-    # 1 s a trial: the 24 trials take the two workers ~12 s, so that the interrupt below comes
-    # while they run also on a slow machine (at 0.3 s a trial one CI run finished first)
-    env = {**os.environ, **_env(log, sleep=1.0)}
+    env = {**os.environ, **_env(log, sleep=0.3)}
     p = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "plan.pkl")],
         env=env,
@@ -416,6 +414,9 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # as in a terminal: SIGINT not ignored (a test run started in the background of a
+        # non-interactive shell inherits an ignored SIGINT, which would outlive exec)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not log.exists() or len(_evaluations(log)) < 3):
