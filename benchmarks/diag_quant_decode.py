@@ -8,6 +8,7 @@ the unpatched kernel, in the same run:
   base      the kernel as generated
   nodequant the loader skips dequantizing (the K buffers keep what they hold)
   nocopy    the loader issues no copies (its staging buffers keep what they hold)
+  cpasync   the rows' bytes by cp.async (per-thread copies) where the launcher would use TMA
   nopage    each tile's page is its index in the sequence (no block-table load; 64 pages in all)
   nowaitk   the loader does not wait for the K buffer to be free
 and the configs (block_n, num_stages) of the space that fit.
@@ -36,16 +37,31 @@ PATCHES = {
     "nodequant": [
         (
             "            dequant_tile(codes, scales, rope_raw, j % NUM_RAW, k_words.index(buf),\n"
-            "                         k_rope_out.index(buf), k_scale, BLOCK_N)  # fmt: skip\n",
+            "                         k_rope_out.index(buf), k_scale, hi - start, BLOCK_N, USE_TMA)"
+            "  # fmt: skip\n",
             "",
         )
     ],
-    "nocopy": [
+    "nocopy": [  # (the staging buffers' barriers still complete: one arrival, or 128)
         (
-            "                raw_copy(raw, jc % NUM_RAW, k_ptr, pages, cstart, chi, page_size, "
-            "stride_k_block,\n"
-            "                         stride_k_row, BLOCK_N, TILE_IN_PAGE)  # fmt: skip\n",
+            "                    raw_tma(raw, jc % NUM_RAW, raw_descs, page * page_size + cstart % "
+            "page_size,\n"
+            "                            raw_ready.index(jc % NUM_RAW), BLOCK_N)  # fmt: skip\n",
+            "                    mbarrier.arrive(raw_ready.index(jc % NUM_RAW))\n",
+        ),
+        (
+            "                    raw_copy(raw, jc % NUM_RAW, k_ptr, pages, cstart, chi, "
+            "page_size,\n"
+            "                             stride_k_block, stride_k_row, BLOCK_N, TILE_IN_PAGE)"
+            "  # fmt: skip\n",
             "",
+        ),
+    ],
+    "cpasync": [  # the rows' bytes by cp.async where TMA could copy them
+        (
+            "    descs = raw_descriptors(k_cache, block_n) if tile_in_page and k_cache.shape[0] "
+            "else None\n",
+            "    descs = None\n",
         )
     ],
     "nopage": [
@@ -53,7 +69,11 @@ PATCHES = {
             "        page = gl.load(pages + start // page_size, mask=start < hi, other=0)\n"
             "        return k_ptr + page.to(gl.int64)",
             "        page = start // page_size\n        return k_ptr + page.to(gl.int64)",
-        )
+        ),
+        (
+            "                    page = gl.load(pages + cstart // page_size)\n",
+            "                    page = cstart // page_size\n",
+        ),
     ],
     "nowaitk": [
         (
@@ -86,8 +106,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", default="fp8_ds_mla", choices=("fp8_ds_mla", "fp8", "mxfp4"))
     ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--experiments", default="base,nodequant,nocopy,nopage,nowaitk")
-    ap.add_argument("--configs", default="32x2,16x4,64x1", help="block_n x num_stages")
+    ap.add_argument("--experiments", default="base,cpasync,nodequant,nocopy,nopage,nowaitk")
+    ap.add_argument("--configs", default="32x2,16x4", help="block_n x num_stages")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     arch, target = runtime.target_of(device)

@@ -7,6 +7,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -49,9 +50,11 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
         )
         assert kernel.asm["cubin"]
         print(f"ok   {label} {constexprs}")
+        return kernel
     except Exception as exc:  # report every kernel, then fail
         failures += 1
         print(f"FAIL {label} {constexprs}: {str(exc)[-800:]}")
+        return None
 
 
 for spec in (
@@ -165,36 +168,59 @@ WGMMA_ALIGNED = (
 )
 
 # The wgmma decode over quantized caches: the loader partition stages the rows' bytes and
-# dequantizes them
-for ds, bn, bufs, in_page in (
-    (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
-    (MLADecodeFP8Spec(576, 512, "fp16", "wgmma"), 16, 4, False),
-    (MLADecodeDSMLASpec(576, 512, "bf16", "wgmma"), 32, 2, False),
-    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma"), 32, 2, True),
-    (MLADecodeMXFP4Spec(512, 512, "bf16", "wgmma", group=16), 16, 4, False),
-    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma", group=64), 64, 1, True),
+# dequantizes them; the rows' bytes by TMA (one descriptor a part of the row, typed with its
+# shared layout) or by cp.async (the descriptor arguments are then the cache itself, unused)
+TORCH_TO_TRITON = {"int32": "i32", "float32": "fp32", "bfloat16": "bf16", "uint8": "u8"}
+for ds, bn, bufs, in_page, tma in (
+    (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True, True),
+    (MLADecodeFP8Spec(576, 512, "bf16", "wgmma"), 32, 2, True, False),
+    (MLADecodeFP8Spec(576, 512, "fp16", "wgmma"), 16, 4, False, False),
+    (MLADecodeDSMLASpec(576, 512, "bf16", "wgmma"), 32, 2, True, True),
+    (MLADecodeDSMLASpec(576, 512, "bf16", "wgmma"), 32, 2, False, False),
+    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma"), 32, 2, True, True),
+    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma"), 32, 2, True, False),
+    (MLADecodeMXFP4Spec(512, 512, "bf16", "wgmma"), 16, 4, True, True),
+    (MLADecodeMXFP4Spec(512, 512, "bf16", "wgmma", group=16), 16, 4, False, False),
+    (MLADecodeMXFP4Spec(576, 512, "bf16", "wgmma", group=64), 64, 1, True, False),
 ):
+    mod = load(ds)
     dt = PTR[ds.dtype]
     types = {n: "*i32" for n in ("block_table_ptr", "seqlens_ptr", "meta_ptr", "num_splits_ptr")}
-    types |= {"q_ptr": dt, "out_ptr": dt, "k_ptr": "*u8", "k_lat_desc": "*u8", "k_rope_desc": "*u8"}
+    types |= {"q_ptr": dt, "out_ptr": dt, "k_ptr": "*u8"}
     types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "lse_ptr": "*fp32"}
     types |= {"k_scale_ptr": "*fp32", "scale_log2": "fp32"}
-    compile_fn(
+    descs = {}
+    for name, _, dtype, box in getattr(mod, "RAW_PARTS", ()) if tma else ():
+        layout = mod.RAW_LAYOUTS[name](bn)
+        shape = ", ".join(map(str, (bn, *box)))
+        descs[name] = f"tensordesc<{TORCH_TO_TRITON[str(dtype)[6:]]}[{shape}],{layout!r}>"
+    for part in ("lat", "scale", "rope"):  # (a part the format lacks: the latent descriptor)
+        types[f"k_{part}_desc"] = descs.get(part, descs.get("lat", "*u8"))
+    kernel = compile_fn(
         ds.name + " roles",
-        load(ds).split_kernel_roles,
+        mod.split_kernel_roles,
         types,
         {
             "CAUSAL": True,
             "BLOCK_N": bn,
             "NUM_BUF": bufs,
             "TILE_IN_PAGE": in_page,
-            "USE_TMA": False,
+            "USE_TMA": tma,
             "ONE_KV_HEAD": in_page,  # several KV heads where not
         },
         warps=4,
-        maxnreg=load(ds).ROLES_MAXNREG,
+        maxnreg=mod.ROLES_MAXNREG,
         aligned=WGMMA_ALIGNED,
     )
+    if kernel is not None and tma:
+        # The launcher encodes the i-th descriptor argument with the box the compiled kernel
+        # reads through it: the launcher's descriptors must come in the same order.
+        cache = torch.zeros(4, 64, 1, mod.RAW_ROW_BYTES.value, dtype=torch.uint8)
+        boxes = [d.block_shape for d in mod.raw_descriptors(cache, bn)]
+        used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
+        if boxes != used:
+            failures += 1
+            print(f"FAIL {ds.name}: descriptor boxes {boxes}, the kernel reads {used}")
 
 for spec in (
     MLADecodeSpec(576, 512, "bf16"),

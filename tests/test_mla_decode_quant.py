@@ -244,12 +244,17 @@ def _variants():
 
 
 @pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
-@pytest.mark.parametrize("page,h_q,h_kv,s_q", [(64, 16, 1, 2), (16, 128, 1, 1), (32, 8, 2, 2)])
-def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, s_q, device):
+@pytest.mark.parametrize(
+    "page,h_q,h_kv,s_q,extra",
+    [(64, 16, 1, 2, 0), (64, 16, 1, 1, 3), (16, 128, 1, 1, 3), (32, 8, 2, 2, 3)],
+)
+def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, s_q, extra, device):
     """Each variant of the fp8 families (portable; on sm90 also wgmma, whose loader partition
-    dequantizes), launched with its default meta-parameters: pages that hold whole tiles and
-    pages smaller than a tile, several KV heads, causal rows, lengths 0 and 1, blocks further
-    apart than a page; against kvgen's decode over the dequantized cache."""
+    dequantizes), launched with its default meta-parameters: pages that hold whole tiles, back
+    to back (the wgmma loader stages them by TMA) or ``extra`` rows further apart (cp.async),
+    and pages smaller than a tile, several KV heads, causal rows, lengths 0 and 1; the rows
+    past each sequence's end hold 0xFF bytes (NaN codes and scales), which must not reach the
+    output; against kvgen's decode over the dequantized cache."""
     from kvgen.bench.decode import K_SCALE, dequantized
     from kvgen.codegen import load
 
@@ -259,7 +264,7 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
     row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
     k_scale = torch.tensor([K_SCALE], device=device)
-    mem = torch.zeros(blocks, page + 3, h_kv, row, dtype=torch.uint8, device=device)
+    mem = torch.zeros(blocks, page + extra, h_kv, row, dtype=torch.uint8, device=device)
     cache = mem[:, :page]
     for head in range(h_kv):  # (the store writes one head's [num_blocks, page, row] cache)
         kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
@@ -270,6 +275,10 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
         else:
             concat_and_cache_mla(kv[:, :512], kv[:, 512:], one, slots, fmt, k_scale)
         mem[:, :page, head] = one
+    for b, n in enumerate(seqlens):  # the rows past the sequence's end in its last page
+        last = -(-n // page) * page
+        for t in range(n, last):
+            cache[int(table[b, t // page]), t % page] = 0xFF
     deq = dequantized(fmt, cache, k_scale)
     q = torch.randn(len(seqlens), s_q, h_q, 576, generator=gen).to(torch.bfloat16).to(device)
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
