@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: set up .venv (scripts/setup.sh) and run the whole suite against the
-# installed kvgen. Without a GPU the kernels run in Triton's CPU interpreter.
+# installed kvgen. Without a GPU the kernels run in Triton's CPU interpreter, one pytest-xdist
+# worker a CPU core (KVGEN_TEST_WORKERS: another count; 0 runs in this process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/pytest "$@"
+exec .venv/bin/pytest -n "${KVGEN_TEST_WORKERS:-auto}" "$@"

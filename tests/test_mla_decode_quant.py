@@ -29,6 +29,23 @@ def _table(seqlens, page, gen):
     return blocks, table
 
 
+def _store(fmt, kv, slots, cache, k_scale):
+    """Write the rows of ``kv`` [n, 576] into ``cache`` as format ``fmt``: with kvgen's store
+    kernels on a GPU; under the interpreter with the references (the same bytes: the stores'
+    own tests compare them bit for bit), as the store's programs would take most of the test's
+    time there."""
+    on_gpu = kv.device.type == "cuda"
+    if fmt == "mxfp4":
+        store = store_mxfp4_mla if on_gpu else mla_cache.store_mxfp4_rope
+        if on_gpu:
+            store(kv[:, :512], slots, cache, k_pe=kv[:, 512:])
+        else:
+            store(kv[:, :512], kv[:, 512:], slots, cache)
+    else:
+        store = concat_and_cache_mla if on_gpu else mla_cache.store
+        store(kv[:, :512], kv[:, 512:], cache, slots, fmt, k_scale)
+
+
 def _assert_matches(out, lse, want, want_lse):
     """``out`` / ``lse`` against kvgen's decode over the dequantized cache: out within 2e-3
     (relative), lse within 1e-3, +inf lse and zero out for the rows that see no key."""
@@ -270,10 +287,7 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
         kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
         one = torch.empty(blocks, page, row, dtype=torch.uint8, device=device)
         slots = torch.arange(blocks * page, device=device)
-        if fmt == "mxfp4":
-            store_mxfp4_mla(kv[:, :512], slots, one, k_pe=kv[:, 512:])
-        else:
-            concat_and_cache_mla(kv[:, :512], kv[:, 512:], one, slots, fmt, k_scale)
+        _store(fmt, kv, slots, one, k_scale)
         mem[:, :page, head] = one
     for b, n in enumerate(seqlens):  # the rows past the sequence's end in its last page
         last = -(-n // page) * page
@@ -310,10 +324,7 @@ def test_one_key_reads_back_its_row(spec, device):
     cache = torch.empty(batch, page, 1, row, dtype=torch.uint8, device=device)
     slots = torch.arange(batch * page, device=device)
     k_scale = torch.tensor([K_SCALE], device=device)
-    if fmt == "mxfp4":
-        store_mxfp4_mla(kv[:, :512], slots, cache.view(batch, page, row), k_pe=kv[:, 512:])
-    else:
-        concat_and_cache_mla(kv[:, :512], kv[:, 512:], cache, slots, fmt, k_scale)
+    _store(fmt, kv, slots, cache.view(batch, page, row), k_scale)
     # sequence b: the single key at row b % page of page b (a different row each)
     table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
     sl = torch.ones(batch, dtype=torch.int32, device=device)
