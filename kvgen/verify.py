@@ -111,6 +111,46 @@ def verify(spec: VariantSpec, device) -> Result:
         return Result(spec.name, False, -1, math.inf, f"{type(exc).__name__}: {exc}")
 
 
+def _init_worker() -> None:
+    """A verify worker process: one torch thread (the workers are the parallelism)."""
+    torch.set_num_threads(1)
+
+
+def _verify_in_worker(spec: VariantSpec, device: str) -> Result:
+    return verify(spec, device)
+
+
+def verify_all(specs, device: str, jobs: int = 1, progress=None) -> list[Result]:
+    """``verify`` of each spec, in order; with ``jobs`` > 1 in that many worker processes
+    (spawned: each imports kvgen afresh, so a spec's family must be importable, as the
+    built-in and entry-point families are). ``progress(done, total, name)`` after each."""
+    specs = list(specs)
+    if jobs <= 1 or len(specs) <= 1:
+        results = []
+        for i, spec in enumerate(specs, 1):
+            if progress:
+                progress(i, len(specs), spec.name)
+            results.append(verify(spec, device))
+        return results
+    import concurrent.futures as cf
+    import multiprocessing
+
+    results: list[Result | None] = [None] * len(specs)
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker) as pool:
+        futures = {pool.submit(_verify_in_worker, s, device): i for i, s in enumerate(specs)}
+        for done, fut in enumerate(cf.as_completed(futures), 1):
+            i = futures[fut]
+            try:
+                results[i] = fut.result()
+            except Exception as exc:  # the worker died (or the spec could not be sent)
+                detail = f"{type(exc).__name__}: {exc}"
+                results[i] = Result(specs[i].name, False, -1, math.inf, detail)
+            if progress:
+                progress(done, len(specs), specs[i].name)
+    return results
+
+
 def report(results: list[Result], arch: str, target: str) -> dict:
     """``kvgen verify --json``'s document."""
     failed = sum(not r.passed for r in results)

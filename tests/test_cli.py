@@ -1,5 +1,6 @@
 """The command line: list, gen, verify and --help, as a user runs them."""
 
+import json
 import subprocess
 import sys
 
@@ -58,6 +59,22 @@ def test_verify_runs_variants_against_the_reference():
     result = runner.invoke(app, ["verify", *names])
     assert result.exit_code == 0, result.output
     assert "2 passed, 0 failed" in result.output
+
+
+def test_verify_in_worker_processes_reports_what_one_process_does():
+    names = [
+        f"store_mxfp4_mla-g32-l256-bf16-paged-{ARCH}-{TARGET}",
+        f"gather_mxfp4_mla-g16-l256-bf16-paged-{ARCH}-{TARGET}",
+        f"store_kv_per_token_head-int8-d64-dv64-fp16-{ARCH}-{TARGET}",
+    ]
+    docs = []
+    for jobs in ("2", "1"):
+        result = runner.invoke(app, ["verify", "--json", "-j", jobs, *names])
+        assert result.exit_code == 0, result.output
+        docs.append(json.loads(result.stdout))
+    assert docs[0] == docs[1] and [r["name"] for r in docs[0]["results"]] == names
+    bad = runner.invoke(app, ["verify", "-j", "-1", names[0]])
+    assert bad.exit_code != 0 and "--jobs" in bad.output
 
 
 @pytest.mark.parametrize("command", [[], ["list"], ["gen"], ["verify"], ["bench"]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -82,12 +83,22 @@ def verify_cmd(
         bool, opt("Print every format's SNR and max error on three data sets instead.")
     ] = False,
     as_json: JsonOpt = False,
+    jobs: Annotated[
+        int,
+        opt(
+            "Worker processes (default: the CPU count under the interpreter, 1 on a GPU).",
+            "--jobs",
+            "-j",
+            show_default=False,
+        ),
+    ] = 0,
 ) -> None:
     """Run every variant against the pure-torch reference on this machine.
 
-    On a machine without a GPU the kernels run in Triton's CPU interpreter. Exits 1 when a
-    variant fails. --accuracy prints what each format keeps of Gaussian, heavy-tailed and
-    outlier-channel data (to pick a format).
+    On a machine without a GPU the kernels run in Triton's CPU interpreter, the variants
+    spread over one worker process a CPU core. Exits 1 when a variant fails. --accuracy prints
+    what each format keeps of Gaussian, heavy-tailed and outlier-channel data (to pick a
+    format).
     """
     use_interpreter_without_gpu()
     from kvgen import verify
@@ -108,11 +119,17 @@ def verify_cmd(
         raise fail(
             f"this machine runs {arch}/{target} variants; cannot verify {', '.join(elsewhere)}"
         )
-    results = []
+    if jobs < 0:
+        raise fail(f"--jobs must be 0 (the default) or more; got {jobs}")
+    if jobs == 0:
+        jobs = 1 if target == "gpu" else (os.cpu_count() or 1)
     with err.status("verifying") as status:
-        for i, spec in enumerate(specs, 1):
-            status.update(f"[{i}/{len(specs)}] {spec.name}")
-            results.append(verify.verify(spec, "cuda" if target == "gpu" else "cpu"))
+        results = verify.verify_all(
+            specs,
+            "cuda" if target == "gpu" else "cpu",
+            jobs,
+            progress=lambda i, n, name: status.update(f"[{i}/{n}] {name}"),
+        )
     doc = verify.report(results, arch, target)
     if as_json:
         show.print_json(doc)
