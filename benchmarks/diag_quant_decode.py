@@ -14,12 +14,19 @@ the unpatched kernel, in the same run:
 and the configs (block_n, num_stages) of the space that fit.
 
     python -P benchmarks/diag_quant_decode.py --format fp8_ds_mla --heads 16,128
+
+With --launches N the kernels are launched N times each, untimed, for a profiler:
+
+    ncu --kernel-name split_kernel_roles --launch-skip 2 --launch-count 1 \\
+        --section WarpStateStats --section SourceCounters python -P \\
+        benchmarks/diag_quant_decode.py --heads 16 --experiments base --configs 32x2 --launches 3
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -108,6 +115,13 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--experiments", default="base,cpasync,nodequant,nocopy,nopage,nowaitk")
     ap.add_argument("--configs", default="32x2,16x4", help="block_n x num_stages")
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=0,
+        help="instead of timing, launch each kernel this many times (for a profiler: ncu "
+        "--kernel-name split_kernel_roles --launch-skip 2 --launch-count 1 ...)",
+    )
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     arch, target = runtime.target_of(device)
@@ -115,8 +129,8 @@ def main(argv=None) -> int:
     spec = cls.get(args.format, md.MLADecodeMXFP4Spec)(576, 512, "bf16", "wgmma", arch, target)
     k_scale = torch.tensor([decode.K_SCALE], device=device)
     extra = {"k_scale": k_scale} if args.format == "fp8" else {}
-    copy_bw = harness.copy_bandwidth(device)
-    print(f"{spec.name}; copy {copy_bw / 1e9:.0f} GB/s")
+    copy_bw = math.nan if args.launches else harness.copy_bandwidth(device)
+    print(f"{spec.name}" + ("" if args.launches else f"; copy {copy_bw / 1e9:.0f} GB/s"))
     mods = {}
     for name in args.experiments.split(","):
         mods[name] = load(spec) if name == "base" else patched(spec, name)
@@ -139,6 +153,12 @@ def main(argv=None) -> int:
                 def step(i, mod=mod, mp=mp, call=call):
                     mod.launch(*call, **mp, **extra)
 
+                if args.launches:
+                    for i in range(args.launches):
+                        step(i)
+                    torch.cuda.synchronize()
+                    print(f"h={h:<4} {cfg:<6} {name:<10} {args.launches} launches", flush=True)
+                    continue
                 try:
                     t = harness.graph_time_us(step, 1, calls=8, replays=5)
                 except Exception as exc:  # a config that does not fit

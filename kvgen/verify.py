@@ -116,10 +116,6 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _verify_in_worker(spec: VariantSpec, device: str) -> Result:
-    return verify(spec, device)
-
-
 def verify_all(specs, device: str, jobs: int = 1, progress=None) -> list[Result]:
     """``verify`` of each spec, in order; with ``jobs`` > 1 in that many worker processes
     (spawned: each imports kvgen afresh, so a spec's family must be importable, as the
@@ -138,7 +134,7 @@ def verify_all(specs, device: str, jobs: int = 1, progress=None) -> list[Result]
     results: list[Result | None] = [None] * len(specs)
     ctx = multiprocessing.get_context("spawn")
     with cf.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker) as pool:
-        futures = {pool.submit(_verify_in_worker, s, device): i for i, s in enumerate(specs)}
+        futures = {pool.submit(verify, s, device): i for i, s in enumerate(specs)}
         for done, fut in enumerate(cf.as_completed(futures), 1):
             i = futures[fut]
             try:

@@ -34,16 +34,14 @@ def _store(fmt, kv, slots, cache, k_scale):
     kernels on a GPU; under the interpreter with the references (the same bytes: the stores'
     own tests compare them bit for bit), as the store's programs would take most of the test's
     time there."""
-    on_gpu = kv.device.type == "cuda"
-    if fmt == "mxfp4":
-        store = store_mxfp4_mla if on_gpu else mla_cache.store_mxfp4_rope
-        if on_gpu:
-            store(kv[:, :512], slots, cache, k_pe=kv[:, 512:])
-        else:
-            store(kv[:, :512], kv[:, 512:], slots, cache)
+    kv_c, k_pe = kv[:, :512], kv[:, 512:]
+    if fmt != "mxfp4":
+        store = concat_and_cache_mla if kv.device.type == "cuda" else mla_cache.store
+        store(kv_c, k_pe, cache, slots, fmt, k_scale)
+    elif kv.device.type == "cuda":
+        store_mxfp4_mla(kv_c, slots, cache, k_pe=k_pe)
     else:
-        store = concat_and_cache_mla if on_gpu else mla_cache.store
-        store(kv[:, :512], kv[:, 512:], cache, slots, fmt, k_scale)
+        mla_cache.store_mxfp4_rope(kv_c, k_pe, slots, cache)
 
 
 def _assert_matches(out, lse, want, want_lse):
