@@ -24,6 +24,7 @@ BUILTIN = (
     "kvgen.families.per_token_head.family",
     "kvgen.families.mla_decode.family",
     "kvgen.families.mla_cache.family",
+    "kvgen.families.gqa_decode.family",
 )
 ENTRY_POINTS = "kvgen.families"
 _registered: dict[str, Family] = {}

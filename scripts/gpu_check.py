@@ -176,6 +176,40 @@ def decode(spec, h_kv: int) -> None:
     check(f"{spec.name} h_kv={h_kv} {mp}", rel < 1e-2)
 
 
+def gqa_decodes() -> None:
+    """The GQA decode over each format (NHD, vLLM's inline-scale rows, HND), and over block
+    tables that name pages outside the cache and lengths past the table (never read)."""
+    from kvgen.families.gqa_decode.verify import block_table, compare, make_caches
+    from kvgen.formats.gqa_decode import gqa_decode
+    from kvgen.ops import flash_attn_with_kvcache
+
+    gen = torch.Generator().manual_seed(0)
+    seqlens, page = [70, 0, 1, 130], 16
+    blocks, table = block_table(seqlens, page, gen)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    for kv, group in (("auto", 0), ("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 32)):
+        for layout in ("nhd", "inline", "hnd"):
+            if layout == "inline" and kv == "auto":
+                continue
+            keys = torch.randn(blocks * page, 2, 128, generator=gen)
+            values = torch.randn(blocks * page, 2, 128, generator=gen)
+            k, v, ks, vs, k_deq, v_deq = make_caches(kv, group, keys, values, page, DEV,
+                                                     layout=layout)  # fmt: skip
+            q = torch.randn(4, 2, 8, 128, generator=gen).to(torch.bfloat16)
+            kw = dict(k_scale_cache=ks, v_scale_cache=vs, return_softmax_lse=True, causal=True)
+            out, lse = flash_attn_with_kvcache(q.to(DEV), k, v, cache_seqlens=sl.to(DEV),
+                                               block_table=table.to(DEV), **kw)  # fmt: skip
+            ref = gqa_decode(q, k_deq, v_deq, table, sl, causal=True)
+            check(f"flash_attn_with_kvcache {kv} {layout}", compare(out, lse, *ref)[0])
+            bad_table, bad_sl = table.clone(), sl.clone()
+            bad_table[0, 1], bad_table[3, 0] = blocks + 1000, -7
+            bad_sl[2] = 10**6  # far past its table row
+            out, lse = flash_attn_with_kvcache(q.to(DEV), k, v, cache_seqlens=bad_sl.to(DEV),
+                                               block_table=bad_table.to(DEV), **kw)  # fmt: skip
+            nan = [bool(torch.isnan(lse[b]).all()) for b in (0, 2, 3)]
+            check(f"flash_attn_with_kvcache {kv} {layout} bad pages -> NaN", all(nan))
+
+
 SECTIONS = {
     f.__name__: f
     for f in (
@@ -185,6 +219,7 @@ SECTIONS = {
         mla_cache_stores,
         decodes,
         quantized_decodes,
+        gqa_decodes,
     )
 }
 

@@ -63,6 +63,7 @@ def test_registry_names_are_unique_and_rebuild_their_spec():
         "mla_decode_fp8_ds_mla",
         "mla_decode_fp8",
         "mla_decode_mxfp4",
+        "gqa_decode",
     }
     for spec in specs:
         assert type(spec)(**spec.fields()) == spec

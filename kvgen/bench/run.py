@@ -95,7 +95,7 @@ def measure(
     for how, bw in copies.items():
         log(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
     bench = Bench(device, sizes, copy_bw, latent, group, compare_default, log)
-    sections: dict[str, list] = {"results": [], "decode": []}
+    sections: dict[str, list] = {"results": [], "decode": [], "gqa_decode": []}
     for op in by_op:  # in the registry's order, whatever the order asked
         if op in wanted:
             section, rows = by_op[op].bench(op, bench)
@@ -107,6 +107,7 @@ def measure(
         "matmul_TFLOPs": None if bench._matmul is None else bench._matmul / 1e12,
         "results": [asdict(r) for r in sections["results"]],
         "decode": [asdict(r) for r in sections["decode"]],
+        "gqa_decode": [asdict(r) for r in sections["gqa_decode"]],
     }
 
 
@@ -128,4 +129,5 @@ def write_json(doc: dict, path: Path) -> None:
 
 
 def all_correct(doc: dict) -> bool:
-    return all(r["correct"] for r in [*doc["results"], *doc["decode"]])
+    rows = [*doc["results"], *doc["decode"], *doc.get("gqa_decode", [])]
+    return all(r["correct"] for r in rows)

@@ -26,6 +26,7 @@ def bench_cmd(
         str | None,
         opt(
             "Comma-separated ops: mxfp4, mxfp4-gather, int8, fp8e4m3, fp8e5m2, int4, decode, "
+            "gqa_decode, "
             "mla-fp8_ds_mla, mla-fp8 (default: every one but fp8e5m2).",
             show_default=False,
         ),

@@ -6,6 +6,7 @@ Importing this module needs torch, triton and jinja2 only (never optuna). Kernel
 and compiled on first use for each specialisation, then reused.
 """
 
+from kvgen.ops._gqa_decode import flash_attn_with_kvcache
 from kvgen.ops._mla_cache import concat_and_cache_mla, gather_mla_cache
 from kvgen.ops._mla_decode import flash_mla_with_kvcache
 from kvgen.ops._mla_metadata import MLASchedMeta, get_mla_metadata
@@ -23,6 +24,7 @@ store_kv_int4_per_token_head = triton_reshape_and_cache_flash_int4_per_token_hea
 __all__ = [
     "GROUP_SIZE",
     "concat_and_cache_mla",
+    "flash_attn_with_kvcache",
     "flash_mla_with_kvcache",
     "gather_kv_per_token_head",
     "gather_mla_cache",

@@ -1,0 +1,96 @@
+"""Paged GQA decode attention (FlashAttention's ``flash_attn_with_kvcache``) over the
+per-token-head caches kvgen's stores write: bf16 / fp16, int8, fp8 e4m3 / e5m2 (one fp32 scale
+per token and KV head) and int4 levels (one fp16 scale per group of channels)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from kvgen import _dtypes, formats
+from kvgen._math import cdiv, next_pow2
+from kvgen.codegen.spec import ARCHS, TARGETS, SpecError, VariantSpec, axis
+
+#: the cache formats: "auto" (the queries' dtype, no scales), then kvgen.formats' names
+KV_FORMATS = ("auto", formats.INT8.name, formats.FP8_E4M3.name, formats.FP8_E5M2.name, "int4")
+INT4_GROUPS = formats.INT4.groups
+#: (head_size, head_size_v) pairs the variant lists cover; other sizes generate on demand
+HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
+VARIANTS = ("portable",)
+# The split-KV schedule's unit (kvgen.ops._mla_metadata.schedule, shared with the MLA decode).
+SCHED_BLOCK = 64
+
+
+def _size_ok(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v % 8 == 0
+
+
+def sizes_problem(head_size: int, head_size_v: int) -> str | None:
+    """Why the decode cannot take these head sizes, in a user's words; None when it can."""
+    if _size_ok(head_size) and _size_ok(head_size_v):
+        return None
+    return (
+        f"head_size {head_size} / head_size_v {head_size_v} is not supported: each must be a "
+        "multiple of 8 from 16 to 256 (e.g. 64, 80, 96, 128, 192, 256)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class GQADecodeSpec(VariantSpec):
+    """One GQA decode kernel: head sizes, query dtype, cache format (``kv``) and, for int4,
+    channels per scale (``group``; 0 for the other formats)."""
+
+    family: ClassVar[str] = "gqa_decode"
+    template: ClassVar[str] = "gqa_decode.py.j2"
+
+    head_size: int = axis("d", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
+    head_size_v: int = axis("dv", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
+    dtype: str = axis("", choices=("bf16", "fp16"), default="bf16")
+    kv: str = axis("kv", choices=KV_FORMATS, default="auto")
+    group: int = axis("g", choices=(0, *INT4_GROUPS), default=0)
+    variant: str = axis("", choices=VARIANTS, default="portable")
+    arch: str = axis("", choices=ARCHS, default="sm90")
+    target: str = axis("", choices=TARGETS, default="gpu")
+
+    def check_combination(self) -> None:
+        if (self.kv == "int4") != (self.group != 0):
+            raise SpecError(
+                f"{self.family}: group (channels per scale) is one of {INT4_GROUPS} for an int4 "
+                f"cache and 0 for the others; got kv={self.kv!r}, group={self.group}"
+            )
+
+    def derived(self) -> dict[str, Any]:
+        d_pad, dv_pad = next_pow2(self.head_size), next_pow2(self.head_size_v)
+        out = {
+            "torch_dtype": _dtypes.SOURCE[self.dtype],
+            "d_pad": d_pad,
+            "dv_pad": dv_pad,
+            "sched_block": SCHED_BLOCK,
+            "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
+            "gqa": True,  # the combine masks V's padding columns and keeps a NaN lse
+        }
+        if self.kv == "int4":
+            # scale groups of the padded head: [groups_pad, channels] tiles
+            out["k_tile"] = (cdiv(d_pad, min(self.group, d_pad)), min(self.group, d_pad))
+            out["v_tile"] = (cdiv(dv_pad, min(self.group, dv_pad)), min(self.group, dv_pad))
+            out["levels"] = [repr(v) for v in formats.per_token_head.INT4_LEVELS]
+        return out
+
+    def default_meta(self, rows: int) -> dict[str, int]:
+        # 16 query rows (the MMA's least) x 64 keys, 4 warps, two tiles in flight; two work
+        # units an SM where the query rows are few.
+        return {
+            "block_h": 16,
+            "block_n": 64 if self.head_size <= 128 else 32,
+            "num_warps": 4,
+            "num_stages": 2,
+            "split_factor": 2 if rows <= 16 else 1,
+        }
+
+
+def spec_for(head_size, head_size_v, dtype, kv, group, arch, target, variant="portable"):
+    """The spec, or a ValueError in a user's words."""
+    try:
+        return GQADecodeSpec(head_size, head_size_v, dtype, kv, group, variant, arch, target)
+    except SpecError as e:
+        raise ValueError(str(e)) from None

@@ -1,0 +1,74 @@
+"""The ``Family`` object of kvgen/families/gqa_decode/ (what the registry lists)."""
+
+from __future__ import annotations
+
+from kvgen.codegen.spec import VariantSpec
+from kvgen.families._base import Family
+from kvgen.families.gqa_decode import HEAD_SIZES, INT4_GROUPS, KV_FORMATS, GQADecodeSpec
+
+# Under the interpreter (CI) each format once at 128 / 128, plus the corners of the axes: odd
+# widths, V narrower than K, every int4 group.
+_INTERP = (
+    *((128, 128, "bf16", kv, 32 if kv == "int4" else 0) for kv in KV_FORMATS),
+    (128, 128, "fp16", "auto", 0),
+    (80, 80, "bf16", "int8", 0),
+    (192, 128, "fp16", "fp8e4m3", 0),
+    (64, 64, "bf16", "int4", 16),
+    (96, 96, "bf16", "int4", 64),
+    (256, 256, "fp16", "int4", 128),
+)
+
+
+class GQADecode(Family):
+    """FlashAttention's ``flash_attn_with_kvcache`` over the per-token-head caches (bf16 / fp16,
+    int8, fp8 e4m3 / e5m2, int4 levels)."""
+
+    spec_class = GQADecodeSpec
+
+    def variants(self, arch: str, target: str) -> list[VariantSpec]:
+        if target == "interp":
+            return [
+                GQADecodeSpec(d, dv, dt, kv, g, "portable", arch, target)
+                for d, dv, dt, kv, g in _INTERP
+            ]
+        return [
+            GQADecodeSpec(d, dv, dt, kv, g, "portable", arch, target)
+            for d, dv in HEAD_SIZES
+            for dt in ("bf16", "fp16")
+            for kv in KV_FORMATS
+            for g in (INT4_GROUPS if kv == "int4" else (0,))
+        ]
+
+    def default_tuned(self, arch: str) -> list[VariantSpec]:
+        # Llama / Qwen's 128 / 128 with bf16 queries, every format (int4 at 32 channels a scale)
+        return [
+            GQADecodeSpec(128, 128, "bf16", kv, 32 if kv == "int4" else 0, "portable", arch, "gpu")
+            for kv in KV_FORMATS
+        ]
+
+    bench_ops = ("gqa_decode",)
+
+    def bench(self, op, bench):
+        from kvgen.bench import gqa_decode
+
+        rows = gqa_decode.run(
+            bench.device,
+            bench.copy_bw,
+            progress=lambda r: bench.log(
+                f"  gqa_decode {r.kv_format} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
+            ),
+        )
+        return "gqa_decode", rows
+
+    def verify(self, spec, device):
+        from kvgen.families.gqa_decode.verify import verify_gqa_decode
+
+        return verify_gqa_decode(spec, device)
+
+    def tuning_problem(self, spec, bucket, device):
+        from kvgen.families.gqa_decode.tuning import problem
+
+        return problem(spec, bucket, device)
+
+
+FAMILIES = (GQADecode(),)

@@ -1,0 +1,55 @@
+"""What a tuning trial of the GQA decode runs: the bench's two shapes (128 x 4096 and 8 x 32768
+keys, 8 KV heads x 128, block 16) in the spec's cache format, ``rows`` query heads a KV head."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.codegen import load
+
+
+def problem(spec, bucket, device):
+    """A trial's time is the mean over the two shapes (a config that only suits many sequences
+    does not win); each trial builds the schedules its ``split_factor`` asks for outside the
+    timed graph. The check runs the candidate on a small batch against the float64
+    reference."""
+    from kvgen.bench import gqa_decode as bench
+    from kvgen.families.gqa_decode.verify import compare
+    from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
+    from kvgen.ops._mla_metadata import num_sm_parts, schedule
+
+    if (spec.head_size, spec.head_size_v, spec.dtype) != (bench.HEAD, bench.HEAD, "bf16"):
+        raise ValueError(f"{spec.name}: tuned on 128 / 128 caches with bf16 queries")
+    rows = bucket["rows"]
+    h_q = rows * bench.H_KV
+    problems = [
+        bench.problem(spec.kv, spec.group, [n] * b, h_q, device) for _, b, n in bench.SHAPES
+    ]
+    small = bench.problem(spec.kv, spec.group, [1000, 333, 16, 1], h_q, device, seed=1)
+    q, k, v, ks, vs, table, sl = small
+    k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), bench.HEAD)
+    v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), bench.HEAD)
+    ref = gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    launch = load(spec).launch
+    scale = spec.head_size**-0.5
+    schedules = {}
+
+    def sched(m, which, seqlens):
+        key = (m["split_factor"], which)
+        if key not in schedules:
+            parts = num_sm_parts(sms, rows, bench.H_KV, m["split_factor"])
+            schedules[key] = schedule(seqlens, parts, "split")
+        return schedules[key]
+
+    def run(i, m):
+        q, k, v, ks, vs, table, sl = problems[i]
+        launch(q, k, v, ks, vs, table, sl, *sched(m, i, sl), scale, False, **m)
+
+    def check(m):
+        for i, p in enumerate(problems):
+            sched(m, i, p[-1])  # built here, before run() is captured in a graph
+        out, lse = launch(q, k, v, ks, vs, table, sl, *sched(m, "check", sl), scale, False, **m)
+        return compare(out, lse, *ref)[0]
+
+    return run, check, len(problems)
