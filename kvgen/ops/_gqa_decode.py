@@ -12,7 +12,6 @@ from kvgen.families.gqa_decode import INT4_GROUPS, sizes_problem, spec_for
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import module
-from kvgen.ops._mla_metadata import num_sm_parts, schedule
 
 #: cache code dtype -> format (kvgen.formats' names); uint8 is packed int4
 _FORMATS = {dt: fmt for fmt, dt in _dtypes.CACHE.items()}
@@ -120,12 +119,11 @@ def _check_decode(q, k, v, sl, bt, softmax_scale, causal, ks, vs):
 
 
 @cache
-def _parts(device: torch.device, rows: int, h_kv: int, split_factor: int) -> int:
+def num_sms(device: torch.device) -> int:
+    """The device's SMs (the interpreter: 8, so that small batches are split too)."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 8  # the interpreter: a few work units are enough to exercise splitting
-    return num_sm_parts(sms, rows, h_kv, split_factor)
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
 
 
 def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
@@ -135,10 +133,9 @@ def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     arch, target = runtime.target_of(device)
     spec = spec_for(d, dv, _dtypes.NAME[q.dtype], fmt, group, arch, target)
     meta_p = runtime.meta_params(spec, rows=rows)
-    # The split schedule from the lengths, on the device (no host sync).
-    meta, splits = schedule(sl, _parts(device, rows, k.shape[2], meta_p["split_factor"]), "split")
     scale = softmax_scale if softmax_scale is not None else d**-0.5
-    return module(spec).launch(q, k, v, ks, vs, bt, sl, meta, splits, scale, causal, **meta_p)
+    launch = module(spec).launch
+    return launch(q, k, v, ks, vs, bt, sl, scale, causal, num_sms=num_sms(device), **meta_p)
 
 
 def _fake(checked, q, k, v, *rest):
@@ -198,8 +195,9 @@ def flash_attn_with_kvcache(
         it: its out and lse are NaN.
 
     The format follows from the caches' dtypes and the scales' shapes; K and V are dequantized
-    on chip. The split-KV schedule is computed on the device from ``cache_seqlens`` (no host
-    sync: CUDA graphs replay it with the lengths of each replay). The op is
+    on chip. Each sequence's keys are cut into as many pieces as the shapes call for to fill
+    the GPU (from the batch, heads and the block table's width: no host sync, and a CUDA graph
+    replays right for any lengths), merged by a second kernel. The op is
     ``torch.ops.kvgen.flash_attn_with_kvcache``.
     """
     for name, t in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):

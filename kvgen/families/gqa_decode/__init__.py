@@ -17,8 +17,6 @@ INT4_GROUPS = formats.INT4.groups
 #: (head_size, head_size_v) pairs the variant lists cover; other sizes generate on demand
 HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 VARIANTS = ("portable",)
-# The split-KV schedule's unit (kvgen.ops._mla_metadata.schedule, shared with the MLA decode).
-SCHED_BLOCK = 64
 
 
 def _size_ok(v: Any) -> bool:
@@ -65,7 +63,6 @@ class GQADecodeSpec(VariantSpec):
             "torch_dtype": _dtypes.SOURCE[self.dtype],
             "d_pad": d_pad,
             "dv_pad": dv_pad,
-            "sched_block": SCHED_BLOCK,
             "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
             "gqa": True,  # the combine masks V's padding columns and keeps a NaN lse
         }
@@ -77,14 +74,18 @@ class GQADecodeSpec(VariantSpec):
         return out
 
     def default_meta(self, rows: int) -> dict[str, int]:
-        # 16 query rows (the MMA's least) x 64 keys, 4 warps, two tiles in flight; two work
-        # units an SM where the query rows are few.
+        # 16 query rows (the MMA's least), 4 warps, about two programs an SM. 128-key tiles,
+        # two in flight (three for int8 / fp8), were the fastest of the H200 sweep at 128 / 128
+        # (benchmarks/gqa_decode_sweep.py); int4's dequantization fits 64-key tiles better.
+        wide = self.head_size + self.head_size_v > 256
+        block_n = 64 if self.kv == "int4" or wide else 128
+        stages = 3 if self.kv in ("int8", "fp8e4m3", "fp8e5m2") and not wide else 2
         return {
             "block_h": 16,
-            "block_n": 64 if self.head_size <= 128 else 32,
+            "block_n": block_n,
             "num_warps": 4,
-            "num_stages": 2,
-            "split_factor": 2 if rows <= 16 else 1,
+            "num_stages": stages,
+            "split_factor": 2,
         }
 
 

@@ -10,13 +10,11 @@ from kvgen.codegen import load
 
 def problem(spec, bucket, device):
     """A trial's time is the mean over the two shapes (a config that only suits many sequences
-    does not win); each trial builds the schedules its ``split_factor`` asks for outside the
-    timed graph. The check runs the candidate on a small batch against the float64
+    does not win). The check runs the candidate on a small batch against the float64
     reference."""
     from kvgen.bench import gqa_decode as bench
     from kvgen.families.gqa_decode.verify import compare
     from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
-    from kvgen.ops._mla_metadata import num_sm_parts, schedule
 
     if (spec.head_size, spec.head_size_v, spec.dtype) != (bench.HEAD, bench.HEAD, "bf16"):
         raise ValueError(f"{spec.name}: tuned on 128 / 128 caches with bf16 queries")
@@ -33,23 +31,13 @@ def problem(spec, bucket, device):
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_size**-0.5
-    schedules = {}
-
-    def sched(m, which, seqlens):
-        key = (m["split_factor"], which)
-        if key not in schedules:
-            parts = num_sm_parts(sms, rows, bench.H_KV, m["split_factor"])
-            schedules[key] = schedule(seqlens, parts, "split")
-        return schedules[key]
 
     def run(i, m):
         q, k, v, ks, vs, table, sl = problems[i]
-        launch(q, k, v, ks, vs, table, sl, *sched(m, i, sl), scale, False, **m)
+        launch(q, k, v, ks, vs, table, sl, scale, False, num_sms=sms, **m)
 
     def check(m):
-        for i, p in enumerate(problems):
-            sched(m, i, p[-1])  # built here, before run() is captured in a graph
-        out, lse = launch(q, k, v, ks, vs, table, sl, *sched(m, "check", sl), scale, False, **m)
+        out, lse = launch(q, k, v, ks, vs, table, sl, scale, False, num_sms=sms, **m)
         return compare(out, lse, *ref)[0]
 
     return run, check, len(problems)
