@@ -74,18 +74,18 @@ class GQADecodeSpec(VariantSpec):
         return out
 
     def default_meta(self, rows: int) -> dict[str, int]:
-        # 16 query rows (the MMA's least), 4 warps, about two programs an SM. 128-key tiles,
-        # two in flight (three for int8 / fp8), were the fastest of the H200 sweep at 128 / 128
-        # (benchmarks/gqa_decode_sweep.py); int4's dequantization fits 64-key tiles better.
+        # 16 query rows (the MMA's least), 4 warps, 128-key tiles (64 for wider heads) and
+        # about eight programs an SM: the fastest points of the H200 sweep at 128 / 128 and 4
+        # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight for bf16 / int8, three
+        # for fp8 and int4.
         wide = self.head_size + self.head_size_v > 256
-        block_n = 64 if self.kv == "int4" or wide else 128
-        stages = 3 if self.kv in ("int8", "fp8e4m3", "fp8e5m2") and not wide else 2
+        stages = 3 if self.kv in ("fp8e4m3", "fp8e5m2", "int4") and not wide else 2
         return {
             "block_h": 16,
-            "block_n": block_n,
+            "block_n": 64 if wide else 128,
             "num_warps": 4,
             "num_stages": stages,
-            "split_factor": 2,
+            "split_factor": 8,
         }
 
 
