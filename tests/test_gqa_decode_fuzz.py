@@ -1,0 +1,118 @@
+"""flash_attn_with_kvcache over generated arguments, right and wrong: every call either raises
+ValueError / TypeError or matches the float64 reference (NaN for a sequence whose block table
+names a page outside the cache or that is longer than its table row)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvgen.families.gqa_decode.verify import compare, make_caches
+from kvgen.formats.gqa_decode import gqa_decode
+from kvgen.ops import flash_attn_with_kvcache
+
+# A bounded number of generated calls (each runs the kernel under the interpreter on a CPU);
+# KVGEN_FUZZ_EXAMPLES raises it on a GPU.
+EXAMPLES = int(os.environ.get("KVGEN_FUZZ_EXAMPLES", "30"))
+FORMATS = [("auto", 0), ("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 16), ("int4", 32)]
+
+
+@st.composite
+def calls(draw):
+    kv, group = draw(st.sampled_from(FORMATS))
+    h_kv = draw(st.integers(1, 3))
+    case = {
+        "kv": kv,
+        "group": group,
+        "h_kv": h_kv,
+        "h_q": h_kv * draw(st.integers(1, 3)) + draw(st.sampled_from([0, 0, 0, 1])),
+        "s_q": draw(st.integers(1, 3)),
+        "d": draw(st.sampled_from([16, 64, 80, 64, 100, 264])),
+        "dv": draw(st.sampled_from([16, 64, 48])),
+        "page": draw(st.sampled_from([1, 5, 16])),
+        "seqlens": draw(st.lists(st.integers(0, 40), min_size=1, max_size=3)),
+        "layout": draw(st.sampled_from(["nhd", "hnd"])),
+        "causal": draw(st.booleans()),
+        "q_dtype": draw(st.sampled_from([torch.bfloat16, torch.float16, torch.bfloat16, "fp32"])),
+        "scales": draw(
+            st.sampled_from(["ok", "ok", "ok", "missing", "wrong_dtype", "wrong_shape"])
+        ),
+        "bad_page": draw(st.sampled_from([None, None, -1, 10**6])),
+        "short_table": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+    return case
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(case=calls())
+def test_every_call_raises_a_clear_error_or_matches_the_reference(device, case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    page, seqlens, h_kv = case["page"], case["seqlens"], case["h_kv"]
+    d, dv = case["d"], case["dv"]
+    need = [-(-n // page) for n in seqlens]
+    blocks = max(sum(need), 1)
+    width = max(max(need), 1)
+    table = torch.randint(0, blocks, (len(seqlens), width), generator=gen, dtype=torch.int32)
+    invalid = set()
+    if case["bad_page"] is not None and need[0] > 0:
+        table[0, 0] = case["bad_page"]
+        invalid.add(0)
+    if case["short_table"] and need[-1] > 1:
+        table = table[:, : need[-1] - 1]  # the last sequence is longer than its row
+        invalid |= {b for b, n in enumerate(need) if n > table.shape[1]}
+    dtype = case["q_dtype"] if case["q_dtype"] != "fp32" else torch.bfloat16
+    keys = torch.randn(blocks * page, h_kv, d, generator=gen)
+    values = torch.randn(blocks * page, h_kv, dv, generator=gen)
+    try:
+        k, v, ks, vs, k_deq, v_deq = make_caches(
+            case["kv"], case["group"], keys, values, page, device, layout=case["layout"],
+            writer="reference", dtype=dtype,
+        )  # fmt: skip
+    except ValueError:  # (no cache of this shape to call with)
+        event("no cache")
+        return
+    if case["scales"] == "missing":
+        ks = None
+    elif case["scales"] == "wrong_dtype" and ks is not None:
+        ks = ks.double()
+    elif case["scales"] == "wrong_shape" and ks is not None:
+        ks = ks[:, :1]
+    q = torch.randn(len(seqlens), case["s_q"], case["h_q"], d, generator=gen)
+    q = q.to(torch.float32 if case["q_dtype"] == "fp32" else dtype)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    before = [t.clone() for t in (k, v) + tuple(x for x in (ks, vs) if x is not None)]
+    try:
+        out, lse = flash_attn_with_kvcache(
+            q.to(device), k, v, cache_seqlens=sl.to(device), block_table=table.to(device),
+            causal=case["causal"], return_softmax_lse=True, k_scale_cache=ks, v_scale_cache=vs,
+        )  # fmt: skip
+    except (ValueError, TypeError) as exc:
+        assert str(exc), "an error must say what was wrong"
+        event(f"refused: {type(exc).__name__}")
+        return
+    finally:  # the decode never writes its caches
+        after = [t for t in (k, v) + tuple(x for x in (ks, vs) if x is not None)]
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+    event("ran" + (", a bad table" if invalid else ""))
+    keep = [b for b in range(len(seqlens)) if b not in invalid]
+    for b in invalid:
+        assert torch.isnan(lse[b]).all() and torch.isnan(out[b].float()).all()
+    if not keep:
+        return
+    ref_out, ref_lse = gqa_decode(q, k_deq, v_deq, table.clamp(0, blocks - 1), sl,
+                                  causal=case["causal"])  # fmt: skip
+    if float(ref_out[keep].norm()) == 0.0:  # only empty rows: out 0, lse +inf
+        assert (out[keep] == 0).all() and torch.isinf(lse[keep]).all()
+        return
+    ok, rel, detail = compare(out[keep], lse[keep], ref_out[keep], ref_lse[keep])
+    assert ok, (rel, detail, case)
