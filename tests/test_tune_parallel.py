@@ -437,6 +437,15 @@ def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):
         assert len(tuner.counted(_study(store, b).trials)) == 12
 
 
+def test_a_budget_spent_before_any_trial_writes_no_json(tmp_path, two_fake_gpus):
+    """--timeout spent before a trial ran: no tuned file is written (none with no entries,
+    nor one that would replace the package's), and the output says to re-run."""
+    result = _kvgen(*_tune_args(tmp_path, "16", "1"), "--timeout", "0")
+    assert result.exit_code == 0, result.output
+    assert "nothing written" in result.output
+    assert not (tmp_path / "out" / "sm90" / f"{SPEC.family}.json").exists()
+
+
 def test_wall_clock_budget_stops_the_workers(tmp_path):
     """A deadline: the workers start no trial after it; the studies keep what ran, and a later
     run without one completes them."""

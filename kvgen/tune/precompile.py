@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import sys
+import time
 from collections.abc import Callable
 
 
@@ -23,7 +24,7 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _worker(spec, bucket, metas: list[dict]) -> dict[str, str]:
+def _worker(spec, bucket, metas: list[dict], stop: float | None = None) -> dict[str, str]:
     import torch
 
     from kvgen.tune import problems
@@ -32,6 +33,8 @@ def _worker(spec, bucket, metas: list[dict]) -> dict[str, str]:
     del run
     out = {}
     for meta in metas:
+        if stop is not None and time.time() >= stop:  # the rest compiles when a trial needs it
+            break
         key = json.dumps(meta, sort_keys=True)
         try:
             out[key] = "ok" if check(meta) else "wrong result"
@@ -47,9 +50,11 @@ def precompile(
     metas: list[dict],
     jobs: int,
     progress: Callable[[str], None] | None = None,
+    stop: float | None = None,
 ) -> dict[str, str]:
     """Compile and check ``metas`` for ``spec`` at ``bucket`` in ``jobs`` processes (spawned,
-    each with its own CUDA context on the current GPU). Returns ``{json(meta): outcome}``."""
+    each with its own CUDA context on the current GPU), none started after ``stop`` (a
+    time.time()). Returns ``{json(meta): outcome}``."""
     if jobs <= 1 or not metas:
         return {}
     jobs = min(jobs, len(metas))
@@ -59,7 +64,7 @@ def precompile(
     ctx = multiprocessing.get_context("spawn")
     outcome: dict[str, str] = {}
     with ctx.Pool(jobs, initializer=_one_thread) as pool:
-        for part in pool.starmap(_worker, [(spec, bucket, c) for c in chunks]):
+        for part in pool.starmap(_worker, [(spec, bucket, c, stop) for c in chunks]):
             outcome.update(part)
     bad = sum(v != "ok" for v in outcome.values())
     if progress:

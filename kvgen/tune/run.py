@@ -94,7 +94,7 @@ def run(
     )
     compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
     if compile_jobs > 1:  # the Triton cache on disk is shared by the workers of this host
-        _precompile(studies, store, opts, compile_jobs, log)
+        _precompile(studies, store, opts, compile_jobs, log, deadline)
     for st in studies:  # before any worker starts: see tuner.open_study
         tuner.open_study(
             st.spec, st.bucket, st.space, storage=store, sampler=opts.sampler, n_trials=opts.trials
@@ -127,6 +127,9 @@ def run(
         results.setdefault(st.spec.family, []).append(r)
     written = []
     for family, rs in results.items():
+        if not any(r.meta is not None for r in rs):  # (e.g. --timeout spent before any trial)
+            log(f"{family}: no study has a result yet, nothing written (re-run to resume)")
+            continue
         path = tuner.write_results(
             opts.out or tuned_configs_dir(), opts.arch, family, rs, env, opts.sampler, opts.trials
         )
@@ -135,15 +138,21 @@ def run(
     return written
 
 
-def _precompile(studies, store, opts, compile_jobs, log) -> None:
+def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
     """Compile each variant's feasible candidates in ``compile_jobs`` processes, once, before
-    the workers start (a resumed run skips variants whose studies are all finished)."""
+    the workers start (a resumed run skips variants whose studies are all finished). Half of
+    the wall-clock budget at most (``deadline``: time.monotonic()): what is left uncompiled
+    then compiles in the trials that need it."""
     from kvgen.tune.precompile import precompile
 
     by_variant: dict[str, list[Study]] = {}
     for st in studies:
         by_variant.setdefault(st.spec.name, []).append(st)
+    stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
     for mine in by_variant.values():
+        if stop is not None and time.time() >= stop:
+            log("compiling ahead stopped: half of the wall-clock budget is spent")
+            break
         spec, space = mine[0].spec, mine[0].space
         if any(
             tuner.finished_trials(spec, st.bucket, store)
@@ -153,4 +162,4 @@ def _precompile(studies, store, opts, compile_jobs, log) -> None:
             # Triton specialises integer arguments (== 1, multiples of 16): compile with a
             # middle bucket, which shares its binaries with most of the others.
             bucket = mine[len(mine) // 2].bucket
-            precompile(spec, bucket, space.feasible(spec), compile_jobs, progress=log)
+            precompile(spec, bucket, space.feasible(spec), compile_jobs, progress=log, stop=stop)
