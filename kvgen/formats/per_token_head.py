@@ -66,7 +66,7 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
     m = torch.zeros_like(y, dtype=torch.int32)
     for boundary in torch.tensor(INT4_BOUNDARIES, dtype=torch.float32).tolist():
         m += (y > torch.tensor(boundary, dtype=torch.float32)).to(torch.int32)
-    codes = (m | ((g < 0).to(torch.int32) << 3)).reshape(*x.shape[:-1], -1)
+    codes = (m | ((g < 0).to(torch.int32) << 3)).reshape(*x.shape[:-1], groups * channels)
     nbytes = cdiv(head_size, 2)
     codes = codes[..., : 2 * nbytes]
     if codes.shape[-1] < 2 * nbytes:  # odd head size: the last high nibble is padding

@@ -19,7 +19,7 @@ def _round_up(n: int, m: int) -> int:
     return cdiv(n, m) * m
 
 
-def _alloc(kv, group, shape, d, dv, dtype, device, layout):
+def alloc_caches(kv, group, shape, d, dv, dtype, device, layout):
     """(k_cache, v_cache, k_scales, v_scales) for ``shape`` = (blocks, page, kv_heads), empty
     (0xFF bytes where quantized: what was never written reads as NaN / -1 codes)."""
     blocks, page, h = shape
@@ -81,7 +81,7 @@ def make_caches(kv, group, keys, values, page, device, *, layout="nhd", writer="
     tokens, h, d = keys.shape
     dv = values.shape[2]
     shape = (tokens // page, page, h)
-    k, v, ks, vs = _alloc(kv, group, shape, d, dv, dtype, device, layout)
+    k, v, ks, vs = alloc_caches(kv, group, shape, d, dv, dtype, device, layout)
     if kv == "auto":
         k.copy_(keys.reshape(*shape, d).to(dtype))
         v.copy_(values.reshape(*shape, dv).to(dtype))
