@@ -95,19 +95,19 @@ def measure(
     for how, bw in copies.items():
         log(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
     bench = Bench(device, sizes, copy_bw, latent, group, compare_default, log)
-    sections: dict[str, list] = {"results": [], "decode": [], "gqa_decode": []}
+    # the document's sections: "results" (stores and readers), "decode" (MLA), and any other a
+    # family's bench names (e.g. "gqa")
+    sections: dict[str, list] = {"results": [], "decode": []}
     for op in by_op:  # in the registry's order, whatever the order asked
         if op in wanted:
             section, rows = by_op[op].bench(op, bench)
-            sections[section].extend(rows)
+            sections.setdefault(section, []).extend(rows)
     return {
         "env": env,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
         "matmul_TFLOPs": None if bench._matmul is None else bench._matmul / 1e12,
-        "results": [asdict(r) for r in sections["results"]],
-        "decode": [asdict(r) for r in sections["decode"]],
-        "gqa_decode": [asdict(r) for r in sections["gqa_decode"]],
+        **{name: [asdict(r) for r in rows] for name, rows in sections.items()},
     }
 
 
@@ -129,5 +129,5 @@ def write_json(doc: dict, path: Path) -> None:
 
 
 def all_correct(doc: dict) -> bool:
-    rows = [*doc["results"], *doc["decode"], *doc.get("gqa_decode", [])]
-    return all(r["correct"] for r in rows)
+    rows = [r for v in doc.values() if isinstance(v, list) for r in v if isinstance(r, dict)]
+    return all(r["correct"] for r in rows if "correct" in r)

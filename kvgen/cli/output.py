@@ -187,9 +187,9 @@ def print_bench(doc: dict, console: Console, compare_default: bool) -> None:
             "goals: heads <= 32 >= 0.80 x copy BW; heads 128 >= 0.50 x matmul; "
             "mixed within 10% of equal"
         )
-    if doc.get("gqa_decode"):
+    if doc.get("gqa"):
         title = f"GQA decode, 8 KV heads x 128, block 16 (copy {copy:.0f} GB/s)"
-        console.print(table(title, GQA_DECODE_KEYS, doc["gqa_decode"]))
+        console.print(table(title, GQA_DECODE_KEYS, doc["gqa"]))
         console.print(
             "goals: every format >= 0.85 x copy BW in its own bytes (int8 / fp8 <= 0.55x, "
             "int4 C32 <= 0.32x the bf16 cache's time)"

@@ -58,7 +58,7 @@ class GQADecode(Family):
                 f"  gqa_decode {r.kv_format} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"
             ),
         )
-        return "gqa_decode", rows
+        return "gqa", rows
 
     def verify(self, spec, device):
         from kvgen.families.gqa_decode.verify import verify_gqa_decode
