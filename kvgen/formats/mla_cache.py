@@ -26,11 +26,12 @@ DS_MLA_MIN_Q = 1e-4  # the least q = amax / 448 (as its fp32 value)
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     """The bytes of ``x`` [n, k] (any dtype), little-endian: [n, k * itemsize] uint8."""
-    return x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+    return x.contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1] * x.element_size())
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return b.contiguous().view(dtype).reshape(b.shape[0], -1)
+    width = b.shape[1] // torch.empty(0, dtype=dtype).element_size()
+    return b.contiguous().view(dtype).reshape(b.shape[0], width)
 
 
 def rope_bf16(k_pe: torch.Tensor) -> torch.Tensor:

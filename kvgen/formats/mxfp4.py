@@ -40,7 +40,7 @@ def ceil_log2_exact(q: torch.Tensor) -> torch.Tensor:
 
 def group_exponents(x: torch.Tensor, group: int) -> torch.Tensor:
     """The biased E8M0 scale byte X of every group: [tokens, latent/group] int32."""
-    groups = x.float().reshape(x.shape[0], -1, group)
+    groups = x.float().reshape(x.shape[0], x.shape[1] // group, group)
     amax = groups.abs().amax(dim=-1)
     q = amax / 6.0  # fp32 division, IEEE round-to-nearest on the CPU
     x_biased = (ceil_log2_exact(q) + E8M0_BIAS).clamp(1, 254)
@@ -75,7 +75,8 @@ def dequantize_rows(rows: torch.Tensor, latent: int, group: int = 32) -> torch.T
     values = torch.tensor(E2M1_VALUES, device=rows.device)[codes & 7]
     values = torch.where(codes & 8 != 0, -values, values)
     scale = torch.exp2((x_biased - E8M0_BIAS).double()).float()
-    return (values.reshape(rows.shape[0], -1, group) * scale[..., None]).reshape(-1, latent)
+    grouped = values.reshape(rows.shape[0], latent // group, group) * scale[..., None]
+    return grouped.reshape(rows.shape[0], latent)
 
 
 def _slot_index(cache: torch.Tensor, slots: torch.Tensor, pitch: int):

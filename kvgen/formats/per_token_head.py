@@ -77,7 +77,8 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, head_size: int) -> torch.Tensor:
     p = packed.to(torch.int32)
-    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*packed.shape[:-1], -1)[..., :head_size]
+    pairs = torch.stack([p & 0xF, p >> 4], dim=-1)
+    codes = pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])[..., :head_size]
     levels = torch.tensor(INT4_LEVELS, dtype=torch.float32, device=packed.device)[codes & 7]
     values = torch.where(codes & 8 != 0, -levels, levels)
     groups = scales.shape[-1]
