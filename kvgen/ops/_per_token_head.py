@@ -288,9 +288,25 @@ def _check_gather(
         check.ndim(name, c, 4, "[num_blocks, block_size, num_kv_heads, head]")
         if c.dtype != torch.uint8 and c.dtype not in _QUANT_FORMATS:
             raise TypeError(f"{name} dtype {c.dtype} is not a per-token-head format")
+        int4 = c.dtype == torch.uint8
         if hs is None:
-            hs = c.shape[3] * 2 if c.dtype == torch.uint8 else c.shape[3]
-        check.same_device(slots=slots, **{name: c})
+            hs = c.shape[3] * 2 if int4 else c.shape[3]
+        if (-(-hs // 2) if int4 else hs) != c.shape[3]:
+            want = f"ceil(head_size / 2) = {-(-hs // 2)}" if int4 else f"head_size {hs}"
+            raise ValueError(f"{name} head is {c.shape[3]} wide; expected {want}")
+        sc_name = "k_scale_cache" if name == "key_cache" else "v_scale_cache"
+        groups = None
+        if int4:
+            check.tensor(sc_name, sc)
+            check.ndim(sc_name, sc, 4, "[num_blocks, block_size, num_kv_heads, groups]")
+            groups = sc.shape[3]
+            if int4_channels_for(hs, groups) is None:
+                raise ValueError(
+                    f"{sc_name} has {groups} scales a head, which no channels-per-scale "
+                    f"({', '.join(map(str, INT4_CHANNELS))}) gives for head_size {hs}"
+                )
+        _check_scales(sc_name, sc, c, c.shape[2], groups, torch.float16 if int4 else torch.float32)
+        check.same_device(slots=slots, **{name: c, sc_name: sc})
         out.append((c, sc, hs))
     return out
 
