@@ -97,6 +97,32 @@ def guarded(mem_shape, dtype, device, perm=None) -> GuardedCache:
     return GuardedCache(backing, mem.permute(perm) if perm else mem)
 
 
+def block_table(seqlens, page: int, gen) -> tuple[int, torch.Tensor]:
+    """(number of pages, block table) for the decodes' checks: each sequence's pages in random
+    order, two spare."""
+    need = [-(-n // page) for n in seqlens]
+    blocks = sum(need) + 2
+    pages = torch.randperm(blocks, generator=gen).to(torch.int32)
+    table = torch.zeros(len(seqlens), max(max(need), 1), dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb]
+        i += nb
+    return blocks, table
+
+
+def compare_attention(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
+    """A decode's (out, lse) against the float64 reference: (passed, relative error of out,
+    what failed). out within 1e-2 (relative), lse within 1e-3, +inf for the rows that see no
+    key."""
+    rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
+    finite = torch.isfinite(ref_lse)
+    lse_err = float((lse.cpu().double()[finite] - ref_lse[finite]).abs().max())
+    empty_ok = bool((lse.cpu()[~finite] == math.inf).all())
+    passed = rel < 1e-2 and lse_err < 1e-3 and empty_ok
+    return passed, rel, "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}"
+
+
 def verify(spec: VariantSpec, device) -> Result:
     """``spec``'s family's check on ``device``; a crash is a failed result, not an error."""
     from kvgen import registry

@@ -179,9 +179,11 @@ def decode(spec, h_kv: int) -> None:
 def gqa_decodes() -> None:
     """The GQA decode over each format (NHD, vLLM's inline-scale rows, HND), and over block
     tables that name pages outside the cache and lengths past the table (never read)."""
-    from kvgen.families.gqa_decode.verify import block_table, compare, make_caches
+    from kvgen.families.gqa_decode.verify import make_caches
     from kvgen.formats.gqa_decode import gqa_decode
     from kvgen.ops import flash_attn_with_kvcache
+    from kvgen.verify import block_table
+    from kvgen.verify import compare_attention as compare
 
     gen = torch.Generator().manual_seed(0)
     seqlens, page = [70, 0, 1, 130], 16

@@ -1,5 +1,7 @@
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,9 @@ import torch
 # generated module is imported (triton.jit picks the interpreter at decoration time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests' shared helpers (_fuzz.py) import as top-level modules: --import-mode=importlib puts
+# no test folder on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).parent))
 # A fresh module cache per test session, so the generator itself is exercised every run.
 os.environ.setdefault("KVGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kvgen-test-cache-"))
 

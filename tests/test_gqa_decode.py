@@ -9,9 +9,11 @@ import math
 import pytest
 import torch
 
-from kvgen.families.gqa_decode.verify import block_table, compare, make_caches
+from kvgen.families.gqa_decode.verify import make_caches
 from kvgen.formats.gqa_decode import gqa_decode
 from kvgen.ops import flash_attn_with_kvcache
+from kvgen.verify import block_table
+from kvgen.verify import compare_attention as compare
 
 FORMATS = [("auto", 0), ("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 32)]
 

@@ -4,16 +4,14 @@ writes exactly the bytes of the formats' reference store."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from _fuzz import SLOT_KINDS, fuzz, slots
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvgen.formats import mla_cache, mxfp4
 from kvgen.ops import concat_and_cache_mla, store_mxfp4_mla
 
-EXAMPLES = int(os.environ.get("KVGEN_FUZZ_EXAMPLES", "30"))
 ROW = {"auto": 576 * 2, "fp8": 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}
 
 
@@ -25,27 +23,7 @@ def _cache(blocks, page, row, gap, dtype, flashmla_view, device):
     return backing, view.unsqueeze(2) if flashmla_view else view
 
 
-settings_ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-
-
-def _slots(draw, n, num_slots, gen):
-    slots = torch.randperm(num_slots, generator=gen)[:n]
-    kind = draw(st.sampled_from(["valid", "valid", "negative", "past_end", "int64", "short"]))
-    if kind == "negative" and n:
-        slots[0] = -1
-    elif kind == "past_end" and n:
-        slots[-1] = num_slots + 2
-    elif kind == "short" and n:
-        slots = slots[:-1]
-    return slots.to(torch.int64 if kind == "int64" else torch.int32)
-
-
-@settings_
+@fuzz
 @given(data=st.data())
 def test_concat_and_cache_mla_raises_before_writing_or_matches_the_reference(device, data):
     draw = data.draw
@@ -78,11 +56,11 @@ def test_concat_and_cache_mla_raises_before_writing_or_matches_the_reference(dev
         event("no cache")
         return
     ref_backing, ref_cache = _cache(blocks, page, row, gap, cache_dtype, False, "cpu")
-    slots = _slots(draw, n, blocks * page, gen)
+    slot_mapping, _ = slots(draw, n, blocks * page, gen, SLOT_KINDS[:-1])
     scale = torch.ones(2) if bad == "scale" else torch.tensor([0.05])
     before = backing.clone()
     try:
-        concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slots.to(device), fmt,
+        concat_and_cache_mla(kv_c.to(device), k_pe.to(device), cache, slot_mapping.to(device), fmt,
                              scale.to(device))  # fmt: skip
     except (ValueError, TypeError) as exc:
         assert str(exc)
@@ -90,11 +68,11 @@ def test_concat_and_cache_mla_raises_before_writing_or_matches_the_reference(dev
         assert torch.equal(backing, before)
         return
     event(f"stored {fmt}")
-    mla_cache.store(kv_c, k_pe, ref_cache, slots, fmt, scale)
+    mla_cache.store(kv_c, k_pe, ref_cache, slot_mapping, fmt, scale)
     assert torch.equal(backing.cpu(), ref_backing), (fmt, dtype, n)
 
 
-@settings_
+@fuzz
 @given(data=st.data())
 def test_store_mxfp4_mla_raises_before_writing_or_matches_the_reference(device, data):
     draw = data.draw
@@ -112,15 +90,15 @@ def test_store_mxfp4_mla_raises_before_writing_or_matches_the_reference(device, 
     gap = draw(st.sampled_from([0, 0, 2]))
     backing, cache = _cache(blocks, page, row, gap, torch.uint8, False, device)
     ref_backing, ref_cache = _cache(blocks, page, row, gap, torch.uint8, False, "cpu")
-    slots = _slots(draw, n, blocks * page, gen)
+    slot_mapping, _ = slots(draw, n, blocks * page, gen, SLOT_KINDS[:-1])
     before = backing.clone()
     try:
-        store_mxfp4_mla(x.to(device), slots.to(device), cache, group)
+        store_mxfp4_mla(x.to(device), slot_mapping.to(device), cache, group)
     except (ValueError, TypeError) as exc:
         assert str(exc)
         event(f"refused: {type(exc).__name__}")
         assert torch.equal(backing, before)
         return
     event("stored")
-    mxfp4.store(x, slots, ref_cache, group)
+    mxfp4.store(x, slot_mapping, ref_cache, group)
     assert torch.equal(backing.cpu(), ref_backing), (group, latent, dtype, n)

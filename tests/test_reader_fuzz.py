@@ -4,39 +4,17 @@ rows of negative or out-of-range slots are zeros)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from _fuzz import fuzz, slots
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvgen.families.gqa_decode.verify import alloc_caches
 from kvgen.formats import mxfp4, per_token_head
 from kvgen.ops import gather_kv_per_token_head, gather_mxfp4_mla
 
-EXAMPLES = int(os.environ.get("KVGEN_FUZZ_EXAMPLES", "30"))
 
-settings_ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-
-
-def _slots(draw, n, num_slots, gen):
-    slots = torch.randint(0, num_slots, (n,), generator=gen)
-    kind = draw(st.sampled_from(["valid", "valid", "negative", "past_end", "int64", "float"]))
-    if kind == "negative" and n:
-        slots[0] = -3
-    elif kind == "past_end" and n:
-        slots[-1] = num_slots
-    if kind == "float":
-        return slots.float(), kind
-    return slots.to(torch.int64 if kind == "int64" else torch.int32), kind
-
-
-@settings_
+@fuzz
 @given(data=st.data())
 def test_gather_kv_per_token_head_raises_or_matches_the_reference(device, data):
     draw = data.draw
@@ -53,10 +31,10 @@ def test_gather_kv_per_token_head_raises_or_matches_the_reference(device, data):
     keys = torch.randn(tokens, heads, d, generator=gen)
     values = torch.randn(tokens, heads, dv, generator=gen)
     per_token_head.store(keys, values, k, v, ks, vs, torch.arange(tokens))  # every slot written
-    slots, kind = _slots(draw, draw(st.integers(0, 6)), tokens, gen)
+    slot_mapping, kind = slots(draw, draw(st.integers(0, 6)), tokens, gen)
     out_dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16, torch.int32]))
     bad = draw(st.sampled_from([None] * 4 + ["scales", "head_size"]))
-    args = [k, v, ks.double() if bad == "scales" else ks, vs, slots.to(device)]
+    args = [k, v, ks.double() if bad == "scales" else ks, vs, slot_mapping.to(device)]
     sizes = dict(head_size=d + 2 if bad == "head_size" else d, head_size_v=dv)
     try:
         got_k, got_v = gather_kv_per_token_head(*args, **sizes, out_dtype=out_dtype)
@@ -68,12 +46,12 @@ def test_gather_kv_per_token_head_raises_or_matches_the_reference(device, data):
     assert kind != "float" and out_dtype != torch.int32 and bad is None
     if out_dtype != torch.float32:  # (the interpreter's fp32 -> bf16 cast truncates)
         return
-    want_k = per_token_head.gather(k.cpu(), ks.cpu(), slots, d)
-    want_v = per_token_head.gather(v.cpu(), vs.cpu(), slots, dv)
+    want_k = per_token_head.gather(k.cpu(), ks.cpu(), slot_mapping, d)
+    want_v = per_token_head.gather(v.cpu(), vs.cpu(), slot_mapping, dv)
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 
 
-@settings_
+@fuzz
 @given(data=st.data())
 def test_gather_mxfp4_mla_raises_or_matches_the_reference(device, data):
     draw = data.draw
@@ -85,13 +63,13 @@ def test_gather_mxfp4_mla_raises_or_matches_the_reference(device, data):
     cache = torch.zeros(blocks, page, row, dtype=torch.uint8)
     tokens = blocks * page
     mxfp4.store(torch.randn(tokens, latent, generator=gen) * 8, torch.arange(tokens), cache, group)
-    slots, kind = _slots(draw, draw(st.integers(0, 6)), tokens, gen)
+    slot_mapping, kind = slots(draw, draw(st.integers(0, 6)), tokens, gen)
     bad = draw(st.sampled_from([None] * 4 + ["latent", "group", "out_dtype"]))
     read_latent = latent * 2 if bad == "latent" else latent
     read_group = 48 if bad == "group" else group
     out_dtype = torch.int8 if bad == "out_dtype" else torch.float32
     try:
-        got = gather_mxfp4_mla(cache.to(device), slots.to(device), read_latent, read_group,
+        got = gather_mxfp4_mla(cache.to(device), slot_mapping.to(device), read_latent, read_group,
                                out_dtype=out_dtype)  # fmt: skip
     except (ValueError, TypeError) as exc:
         assert str(exc)
@@ -99,4 +77,4 @@ def test_gather_mxfp4_mla_raises_or_matches_the_reference(device, data):
         return
     event("read")
     assert kind != "float" and bad is None
-    assert torch.equal(got.cpu(), mxfp4.gather(cache, slots, latent, group))
+    assert torch.equal(got.cpu(), mxfp4.gather(cache, slot_mapping, latent, group))

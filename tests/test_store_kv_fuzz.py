@@ -4,17 +4,15 @@ bytes of the formats' reference store (caches in NHD, HND and vLLM's inline-scal
 
 from __future__ import annotations
 
-import os
-
 import torch
-from hypothesis import HealthCheck, event, given, settings
+from _fuzz import fuzz, snapshot
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from kvgen.families.gqa_decode.verify import alloc_caches
 from kvgen.formats import per_token_head
 from kvgen.ops import store_kv_int4_per_token_head, store_kv_per_token_head
 
-EXAMPLES = int(os.environ.get("KVGEN_FUZZ_EXAMPLES", "30"))
 FORMATS = [("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 16), ("int4", 32)]
 
 
@@ -43,20 +41,7 @@ def calls(draw):
     }
 
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bytes(ts):
-    """Each tensor's elements as integers of its width (any strides; NaNs compare)."""
-    return [t.view(_BITS[t.element_size()]).clone() for t in ts]
-
-
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
+@fuzz
 @given(case=calls())
 def test_every_store_raises_before_writing_or_matches_the_reference(device, case):
     gen = torch.Generator().manual_seed(case["seed"])
@@ -95,19 +80,19 @@ def test_every_store_raises_before_writing_or_matches_the_reference(device, case
     store = store_kv_int4_per_token_head if kv == "int4" else store_kv_per_token_head
     if case["store"] == "other":
         store = store_kv_per_token_head if kv == "int4" else store_kv_int4_per_token_head
-    before = _bytes((k, v, ks, vs))
+    before = snapshot((k, v, ks, vs))
     args = (key.to(device), value.to(device), k, v, ks, vs, slots.to(device))
     try:
         store(*args)
     except (ValueError, TypeError) as exc:
         assert str(exc)
         event(f"refused: {type(exc).__name__}")
-        assert all(torch.equal(a, b) for a, b in zip(before, _bytes((k, v, ks, vs)), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(before, snapshot((k, v, ks, vs)), strict=True))
         return
     event("stored")
     per_token_head.store(key, value, *ref, slots)  # the reference, into 0xFF caches on the CPU
-    got = _bytes(t.cpu() for t in (k, v, ks, vs))
-    want = _bytes(ref)
+    got = snapshot(t.cpu() for t in (k, v, ks, vs))
+    want = snapshot(ref)
     for name, a, b in zip(("key_cache", "value_cache", "k_scales", "v_scales"), got, want,
                           strict=True):  # fmt: skip
         assert torch.equal(a, b), (name, case)

@@ -71,21 +71,29 @@ def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0):
     return q, k, v, ks, vs, table, sl
 
 
-def check(kv, group, h_q, device) -> bool:
-    """The op on a small batch of this format against the float64 reference."""
-    from kvgen.families.gqa_decode.verify import compare
+def checked_problem(kv, group, h_q, device):
+    """A small batch of this format (lengths 1000, 333, 16, 1) and its float64 reference
+    (out, lse): what the bench and the tuner check a result on."""
     from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
-    from kvgen.ops import flash_attn_with_kvcache
 
-    q, k, v, ks, vs, table, sl = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1)
+    small = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1)
+    q, k, v, ks, vs, table, sl = small
+    k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), HEAD)
+    v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), HEAD)
+    return small, gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu())
+
+
+def check(kv, group, h_q, device) -> bool:
+    """The op on ``checked_problem``'s batch against its reference."""
+    from kvgen.ops import flash_attn_with_kvcache
+    from kvgen.verify import compare_attention
+
+    (q, k, v, ks, vs, table, sl), ref = checked_problem(kv, group, h_q, device)
     out, lse = flash_attn_with_kvcache(
         q, k, v, cache_seqlens=sl, block_table=table, return_softmax_lse=True,
         k_scale_cache=ks, v_scale_cache=vs,
     )  # fmt: skip
-    k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), HEAD)
-    v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), HEAD)
-    ref_out, ref_lse = gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu())
-    return compare(out, lse, ref_out, ref_lse)[0]
+    return compare_attention(out, lse, *ref)[0]
 
 
 def run(device, copy_bw: float, heads=HEADS_Q, shapes=SHAPES, formats=FORMATS, progress=None,

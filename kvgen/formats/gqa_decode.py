@@ -20,6 +20,7 @@ import math
 import torch
 
 from kvgen.formats import per_token_head
+from kvgen.formats.mla_decode import gather_pages
 
 
 def dequantize_cache(cache: torch.Tensor, scales: torch.Tensor | None, head_size: int):
@@ -31,13 +32,6 @@ def dequantize_cache(cache: torch.Tensor, scales: torch.Tensor | None, head_size
     if cache.dtype == torch.uint8:
         return per_token_head.dequantize_int4(cache.cpu(), scales.cpu(), head_size)
     return per_token_head.dequantize_per_token_head(cache.cpu(), scales.cpu())
-
-
-def _pages(cache: torch.Tensor, block_table: torch.Tensor, seqlen: int, b: int) -> torch.Tensor:
-    """The first ``seqlen`` tokens of sequence ``b``: [seqlen, num_kv_heads, width]."""
-    page = cache.shape[1]
-    t = torch.arange(seqlen)
-    return cache[block_table[b, t // page].long().cpu(), t % page].cpu()
 
 
 def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, softmax_scale=None, causal=False):
@@ -52,8 +46,8 @@ def gqa_decode(q, k_cache, v_cache, block_table, cache_seqlens, softmax_scale=No
         n = int(cache_seqlens[b])
         if n == 0:
             continue
-        k = _pages(k_cache, block_table, n, b).double().repeat_interleave(group, dim=1)
-        v = _pages(v_cache, block_table, n, b).double().repeat_interleave(group, dim=1)
+        k = gather_pages(k_cache, block_table, n, b).double().repeat_interleave(group, dim=1)
+        v = gather_pages(v_cache, block_table, n, b).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("shd,nhd->shn", q[b].double().cpu(), k) * scale  # [s_q, h_q, n]
         if causal:
             limit = n - s_q + torch.arange(s_q)

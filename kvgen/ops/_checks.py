@@ -71,3 +71,16 @@ def paged_rows(name: str, cache: torch.Tensor, width: int, unit: str) -> tuple[i
             f"and at least block_size * {width} = {block_size * width}"
         )
     return num_blocks, block_size, s0
+
+
+def table_and_lengths(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int) -> None:
+    """The decodes' block table [batch, max_num_blocks_per_seq] and lengths [batch], int32."""
+    dtype("block_table", block_table, (torch.int32,))
+    ndim("block_table", block_table, 2, "[batch, max_num_blocks_per_seq]")
+    dtype("cache_seqlens", cache_seqlens, (torch.int32,))
+    ndim("cache_seqlens", cache_seqlens, 1, "[batch]")
+    if block_table.shape[0] != batch or cache_seqlens.shape[0] != batch:
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} and cache_seqlens "
+            f"{tuple(cache_seqlens.shape)} must have q's batch {batch}"
+        )

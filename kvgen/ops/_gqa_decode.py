@@ -101,15 +101,7 @@ def _check_decode(q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     why = sizes_problem(d, dv)
     if why:
         raise ValueError(why)
-    check.dtype("cache_seqlens", sl, (torch.int32,))
-    check.ndim("cache_seqlens", sl, 1, "[batch]")
-    check.dtype("block_table", bt, (torch.int32,))
-    check.ndim("block_table", bt, 2, "[batch, max_num_blocks_per_seq]")
-    if bt.shape[0] != batch or sl.shape[0] != batch:
-        raise ValueError(
-            f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} must have q's "
-            f"batch {batch}"
-        )
+    check.table_and_lengths(bt, sl, batch)
     if bt.shape[1] > 0 and bt.stride(1) != 1:
         raise ValueError("block_table must have a unit stride in its last dimension")
     tensors = dict(q=q, k_cache=k, v_cache=v, cache_seqlens=sl, block_table=bt)

@@ -119,15 +119,7 @@ def _check_decode(
     why = widths_problem(d, head_dim_v)
     if why:
         raise ValueError(why)
-    check.dtype("block_table", bt, (torch.int32,))
-    check.ndim("block_table", bt, 2, "[batch, max_num_blocks_per_seq]")
-    check.dtype("cache_seqlens", sl, (torch.int32,))
-    check.ndim("cache_seqlens", sl, 1, "[batch]")
-    if bt.shape[0] != batch or sl.shape[0] != batch:
-        raise ValueError(
-            f"block_table {tuple(bt.shape)} and cache_seqlens {tuple(sl.shape)} "
-            f"must have q's batch {batch}"
-        )
+    check.table_and_lengths(bt, sl, batch)
     check.dtype("tile_scheduler_metadata", meta, (torch.int32,))
     if meta.ndim != 2 or meta.shape[1] != METADATA_SIZE or not meta.is_contiguous():
         raise ValueError(

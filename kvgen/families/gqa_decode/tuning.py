@@ -14,19 +14,14 @@ def problem(spec, bucket, device):
     run, so that the tuner's compile processes, which only check, build the small one alone.
     The check runs the candidate on a small batch against the float64 reference."""
     from kvgen.bench import gqa_decode as bench
-    from kvgen.families.gqa_decode.verify import compare
-    from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
+    from kvgen.verify import compare_attention
 
     if (spec.head_size, spec.head_size_v, spec.dtype) != (bench.HEAD, bench.HEAD, "bf16"):
         raise ValueError(f"{spec.name}: tuned on 128 / 128 caches with bf16 queries")
     rows = bucket["rows"]
     h_q = rows * bench.H_KV
     problems = []
-    small = bench.problem(spec.kv, spec.group, [1000, 333, 16, 1], h_q, device, seed=1)
-    q, k, v, ks, vs, table, sl = small
-    k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), bench.HEAD)
-    v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), bench.HEAD)
-    ref = gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu())
+    (q, k, v, ks, vs, table, sl), ref = bench.checked_problem(spec.kv, spec.group, h_q, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_size**-0.5
@@ -41,6 +36,6 @@ def problem(spec, bucket, device):
 
     def check(m):
         out, lse = launch(q, k, v, ks, vs, table, sl, scale, False, num_sms=sms, **m)
-        return compare(out, lse, *ref)[0]
+        return compare_attention(out, lse, *ref)[0]
 
     return run, check, len(bench.SHAPES)

@@ -10,7 +10,7 @@ import torch
 
 from kvgen import _dtypes
 from kvgen._math import cdiv
-from kvgen.verify import Result
+from kvgen.verify import Result, block_table, compare_attention
 
 LAYOUTS = ("nhd", "hnd", "inline")
 
@@ -103,29 +103,6 @@ def make_caches(kv, group, keys, values, page, device, *, layout="nhd", writer="
     return k, v, ks, vs, k_deq, v_deq
 
 
-def block_table(seqlens, page: int, gen) -> tuple[int, torch.Tensor]:
-    """(number of pages, block table): each sequence's pages in random order, two spare."""
-    need = [cdiv(n, page) for n in seqlens]
-    blocks = sum(need) + 2
-    pages = torch.randperm(blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(len(seqlens), max(max(need), 1), dtype=torch.int32)
-    i = 0
-    for b, nb in enumerate(need):
-        table[b, :nb] = pages[i : i + nb]
-        i += nb
-    return blocks, table
-
-
-def compare(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
-    """out within 1e-2 (relative), lse within 1e-3, +inf for the rows that see no key."""
-    rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
-    finite = torch.isfinite(ref_lse)
-    lse_err = float((lse.cpu().double()[finite] - ref_lse[finite]).abs().max())
-    empty_ok = bool((lse.cpu()[~finite] == math.inf).all())
-    passed = rel < 1e-2 and lse_err < 1e-3 and empty_ok
-    return passed, rel, "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}"
-
-
 def verify_gqa_decode(spec, device, seed: int = 0) -> Result:
     """The op over caches of ``spec``'s format written by kvgen's stores, against the float64
     reference over the dequantized caches: unequal lengths (0 and 1 included), random page
@@ -153,5 +130,5 @@ def verify_gqa_decode(spec, device, seed: int = 0) -> Result:
         causal=True, return_softmax_lse=True, k_scale_cache=ks, v_scale_cache=vs,
     )  # fmt: skip
     ref_out, ref_lse = gqa_decode(q, k_deq, v_deq, table, sl, causal=True)
-    passed, rel, detail = compare(out, lse, ref_out, ref_lse)
+    passed, rel, detail = compare_attention(out, lse, ref_out, ref_lse)
     return Result(spec.name, passed, 0 if passed else 1, rel, detail)

@@ -8,21 +8,8 @@ import math
 import torch
 
 from kvgen import _dtypes
-from kvgen._math import cdiv
-from kvgen.verify import Result
-
-
-def _block_table(seqlens, page: int, gen) -> tuple[int, torch.Tensor]:
-    """(number of pages, block table): each sequence's pages in random order, two spare."""
-    need = [cdiv(n, page) for n in seqlens]
-    blocks = sum(need) + 2
-    pages = torch.randperm(blocks, generator=gen).to(torch.int32)
-    table = torch.zeros(len(seqlens), max(need), dtype=torch.int32)
-    i = 0
-    for b, nb in enumerate(need):
-        table[b, :nb] = pages[i : i + nb]
-        i += nb
-    return blocks, table
+from kvgen.verify import Result, compare_attention
+from kvgen.verify import block_table as _block_table
 
 
 def verify_mla_decode(spec, device, seed: int = 0) -> Result:
@@ -60,18 +47,7 @@ def verify_mla_decode(spec, device, seed: int = 0) -> Result:
         **meta_p,
     )
     ref_out, ref_lse = mla_decode(q, k, table, sl, spec.head_dim_v, causal=True)
-    rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
-    finite = torch.isfinite(ref_lse)
-    lse_err = float((lse.cpu().double()[finite] - ref_lse[finite]).abs().max())
-    empty_ok = bool((lse.cpu()[~finite] == math.inf).all())  # no key: +inf, FlashMLA's
-    passed = rel < 1e-2 and lse_err < 1e-3 and empty_ok
-    return Result(
-        spec.name,
-        passed,
-        0 if passed else 1,
-        rel,
-        "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}",
-    )
+    return _compare(spec, out, lse, ref_out, ref_lse)  # (no key: lse +inf, FlashMLA's)
 
 
 def _accepts(module, k_cache, meta_p) -> bool:
@@ -120,13 +96,7 @@ def verify_quantized_decode(spec, device, seed: int = 0) -> Result:
 
 
 def _compare(spec, out, lse, ref_out, ref_lse) -> Result:
-    """out within 1e-2 (relative), lse within 1e-3, +inf for the rows that see no key."""
-    rel = float((out.cpu().double() - ref_out).norm() / ref_out.norm())
-    finite = torch.isfinite(ref_lse)
-    lse_err = float((lse.cpu().double()[finite] - ref_lse[finite]).abs().max())
-    empty_ok = bool((lse.cpu()[~finite] == math.inf).all())
-    passed = rel < 1e-2 and lse_err < 1e-3 and empty_ok
-    detail = "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}"
+    passed, rel, detail = compare_attention(out, lse, ref_out, ref_lse)
     return Result(spec.name, passed, 0 if passed else 1, rel, detail)
 
 
