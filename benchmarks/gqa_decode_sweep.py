@@ -20,10 +20,11 @@ from kvgen.families.gqa_decode import GQADecodeSpec
 
 GRID = {
     "block_h": [16],
-    "block_n": [64, 128, 256],
-    "num_warps": [4],  # (8 won nowhere in a sweep with 4 and 8 at 128 / 128)
-    "num_stages": [1, 2, 3],
-    "split_factor": [1, 2, 4, 8],
+    "block_n": [64, 128],
+    "num_warps": [4, 8],
+    "num_stages": [2, 3],
+    "split_factor": [4, 8],
+    "max_regs": [0, 128],
 }
 
 

@@ -71,6 +71,19 @@ def test_head_sizes_that_differ(device, kv, group):
     _check(*_case(device, kv, group, d=192, dv=80, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8e4m3", "fp8e5m2"])
+def test_a_v_cache_off_word_alignment(device, kv):
+    """A V cache one byte into its storage (rows not at multiples of 4 bytes) is read code by
+    code; an aligned one four codes a 32-bit word. Both give the reference's result."""
+    args, kwargs, ref_in = _case(device, kv)
+    q, k, v = args
+    storage = torch.empty(v.numel() + 1, dtype=torch.uint8, device=device)
+    shifted = storage[1:].view(v.dtype).view(v.shape)
+    shifted.copy_(v)
+    assert shifted.data_ptr() % 4 == 1
+    _check((q, k, shifted), kwargs, ref_in)
+
+
 def test_lse_is_optional(device):
     args, kwargs, _ = _case(device, "auto")
     out = flash_attn_with_kvcache(*args, **kwargs)

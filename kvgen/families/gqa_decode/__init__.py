@@ -66,6 +66,8 @@ class GQADecodeSpec(VariantSpec):
             "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
             "gqa": True,  # the combine masks V's padding columns and keeps a NaN lse
         }
+        if self.kv.startswith("fp8"):
+            out["tl_cache_dtype"] = {"fp8e4m3": "float8e4nv", "fp8e5m2": "float8e5"}[self.kv]
         if self.kv == "int4":
             # scale groups of the padded head: [groups_pad, channels] tiles
             out["k_tile"] = (cdiv(d_pad, min(self.group, d_pad)), min(self.group, d_pad))
@@ -76,16 +78,17 @@ class GQADecodeSpec(VariantSpec):
     def default_meta(self, rows: int) -> dict[str, int]:
         # 16 query rows (the MMA's least), 4 warps, 128-key tiles (64 for wider heads) and
         # about eight programs an SM: the fastest points of the H200 sweep at 128 / 128 and 4
-        # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight for bf16 / int8, three
-        # for fp8 and int4.
+        # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight (three for int4), the
+        # compiler's register allocation (a cap of 128 measured within 1-5 %).
         wide = self.head_size + self.head_size_v > 256
-        stages = 3 if self.kv in ("fp8e4m3", "fp8e5m2", "int4") and not wide else 2
+        stages = 3 if self.kv == "int4" and not wide else 2
         return {
             "block_h": 16,
             "block_n": 64 if wide else 128,
             "num_warps": 4,
             "num_stages": stages,
             "split_factor": 8,
+            "max_regs": 0,
         }
 
 
