@@ -71,6 +71,12 @@ def test_head_sizes_that_differ(device, kv, group):
     _check(*_case(device, kv, group, d=192, dv=80, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("kv,group", FORMATS[:4] + [("int4", 16)])
+def test_the_smallest_heads(device, kv, group):
+    """16-channel heads: one int4 scale group, 8 bytes of codes a row."""
+    _check(*_case(device, kv, group, d=16, dv=16, seqlens=(1, 17, 0)))
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8e4m3", "fp8e5m2"])
 def test_a_v_cache_off_word_alignment(device, kv):
     """A V cache one byte into its storage (rows not at multiples of 4 bytes) is read code by

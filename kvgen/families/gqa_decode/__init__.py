@@ -59,6 +59,11 @@ class GQADecodeSpec(VariantSpec):
 
     def derived(self) -> dict[str, Any]:
         d_pad, dv_pad = next_pow2(self.head_size), next_pow2(self.head_size_v)
+        if self.kv == "int4":
+            # K's codes at least 16 bytes a row: on sm90 the 8-byte rows of a 16-channel head
+            # (one [keys, 1, 16] tile of levels) gave wrong scores, wider rows of the same
+            # codes (the padding masked) the reference's
+            d_pad = max(d_pad, 32)
         out = {
             "torch_dtype": _dtypes.SOURCE[self.dtype],
             "d_pad": d_pad,
