@@ -15,6 +15,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvgen.codegen import load  # noqa: E402
+from kvgen.families.gqa_decode import GQADecodeSpec  # noqa: E402
 from kvgen.families.mla_cache import ConcatAndCacheMLASpec, GatherMLACacheSpec  # noqa: E402
 from kvgen.families.mla_decode import (  # noqa: E402
     MLADecodeDSMLASpec,
@@ -155,6 +156,23 @@ for ds, bh, bn in (
     constexprs = {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2}
     constexprs |= {"PAGE_AHEAD": False, "TILE_IN_PAGE": bh == 64, "ONE_KV_HEAD": True}
     compile_fn(ds.name, load(ds).split_kernel, types, constexprs)
+
+# The GQA decode: each K conversion (fp16 PTX) and V reading (32-bit words and PTX, or codes),
+# pages by shift or by division, bf16 and fp16 queries
+GQA_CACHE = {"int8": "*i8", "fp8e4m3": "*fp8e4nv", "fp8e5m2": "*fp8e5", "int4": "*u8"}
+for gs, words, pow2 in (
+    (GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu"), True, True),
+    (GQADecodeSpec(128, 128, "fp16", "fp8e4m3", 0, "portable", "sm90", "gpu"), True, False),
+    (GQADecodeSpec(64, 48, "bf16", "fp8e5m2", 0, "portable", "sm90", "gpu"), False, True),
+):
+    types = {"q_ptr": PTR[gs.dtype], "k_ptr": GQA_CACHE[gs.kv], "v_ptr": GQA_CACHE[gs.kv]}
+    types |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "block_table_ptr": "*i32"}
+    types |= {"seqlens_ptr": "*i32", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}
+    types["scale_log2"] = "fp32"
+    constexprs = {"CAUSAL": False, "BLOCK_H": 16, "BLOCK_N": 64, "NUM_STAGES": 2}
+    constexprs |= {"TILE_IN_PAGE": False, "PAGE_POW2": pow2, "V_WORDS": words}
+    compile_fn(gs.name, load(gs).split_kernel, types, constexprs,
+               aligned=("k_ptr", "v_ptr", "stride_k_row", "stride_v_row"))  # fmt: skip
 
 # What the wgmma decode's launcher passes as multiples of 16 (Q is copied where it is not)
 WGMMA_ALIGNED = (
