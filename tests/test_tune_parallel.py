@@ -141,8 +141,9 @@ def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
     journal = str(tmp_path / "tune.journal")
     log = tmp_path / "evals.log"
     store, exits, lines = _run(journal, "tpe", 10, log, workers=3, die_at=5)
-    dead = [e for e in exits if e.returncode != 0]
-    assert len(dead) == 1 and dead[0].returncode == -9 and dead[0].failed_trials == 1, lines
+    dead = [e for e in exits if e.deaths]
+    assert len(dead) == 1 and dead[0].deaths == [-9] and dead[0].failed_trials == 1, lines
+    assert all(e.returncode == 0 for e in exits), lines  # a fresh worker took the GPU
     assert any("died (signal 9)" in line for line in lines)
     failed = []
     for b in BUCKETS:  # the others went on: both studies hold their 10 trials
@@ -163,17 +164,21 @@ def test_killed_worker_loses_only_its_trial_and_a_rerun_resumes(tmp_path):
         assert [t.params for t in trials[:10]] == first[tuner.study_name(SPEC, b)]
 
 
-def test_gpu_fault_stops_only_that_worker(tmp_path):
+@pytest.mark.parametrize("workers", [3, 1])
+def test_a_gpu_fault_ends_only_that_worker_and_a_fresh_one_takes_its_gpu(tmp_path, workers):
     """A broken CUDA context (every later trial of that process would fail): the worker fails
-    its trial and exits; the others finish the studies."""
+    its trial and exits, a fresh worker takes its GPU, and the studies finish, on one GPU as on
+    several: the faulting candidate is one failed trial."""
     log = tmp_path / "evals.log"
     store, exits, lines = _run(
-        str(tmp_path / "tune.journal"), "tpe", 10, log, workers=3, fault_at=4
+        str(tmp_path / "tune.journal"), "tpe", 10, log, workers=workers, fault_at=4
     )
-    faulted = [e for e in exits if e.returncode != 0]
-    assert [e.returncode for e in faulted] == [parallel.EXIT_FAULT], lines
+    assert [e.deaths for e in exits if e.deaths] == [[parallel.EXIT_FAULT]], lines
+    assert all(e.returncode == 0 for e in exits), lines
     assert any("GPU fault, this worker stops" in line for line in lines)
-    assert any("died (a GPU fault)" in line for line in lines)
+    assert any("died (a GPU fault)" in line and "a fresh worker takes the GPU" in line
+               for line in lines)  # fmt: skip
+    assert len({pid for pid, _, _ in _evaluations(log)}) >= 2  # the trials after it: another
     failed = []
     for b in BUCKETS:
         study = _study(store, b)
@@ -181,6 +186,34 @@ def test_gpu_fault_stops_only_that_worker(tmp_path):
         assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
         failed += [t for t in study.trials if "worker fault" in tuner.failure(study, t)]
     assert len(failed) == 1
+
+
+def test_restarts_are_bounded(tmp_path):
+    """With no restarts left, a faulted worker stays dead: its GPU's share of the studies waits
+    for a later run."""
+    store = _prepare(str(tmp_path / "tune.journal"), "tpe", 10)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=str(tmp_path / "tune.journal"),
+                         sampler="tpe", n_trials=10, evaluator=FAKE)  # fmt: skip
+    lines = []
+    exits = parallel.run_workers(plan, ["fake0"], log=lines.append, max_restarts=0,
+                                 env=_env(tmp_path / "evals.log", fault_at=2))  # fmt: skip
+    assert exits[0].returncode == parallel.EXIT_FAULT and not exits[0].deaths, lines
+    assert any("the others go on" in line for line in lines)
+    assert len(tuner.counted(_study(store, BUCKETS[0]).trials)) < 10
+
+
+def test_a_tune_on_one_gpu_survives_a_faulting_candidate(tmp_path, two_fake_gpus, monkeypatch):
+    """`kvgen tune` on one GPU whose third candidate breaks the CUDA context: the tune goes on
+    in a fresh worker and writes the JSON, with that trial failed."""
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    monkeypatch.setenv("KVGEN_FAKE_FAULT_AT", "3")
+    result = _kvgen(*_tune_args(tmp_path, "16", "1"))
+    assert result.exit_code == 0, result.output
+    assert "a fresh worker takes the GPU" in result.output
+    assert "1 replaced after a fault or crash" in result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    entry = doc["entries"][SPEC.name]["num_tokens=16"]
+    assert entry["trials"] == len(SPACE.points()) and entry["failed_trials"] == 1
 
 
 def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):

@@ -9,7 +9,10 @@ the trials of one study are spread over the GPUs and none is run twice. When all
 exited, the coordinator reads the results back from the storage and writes the JSON once.
 
 A worker that dies (killed, or exiting on a GPU fault) loses only its running trial: the
-coordinator fails that trial, the other workers go on, and a later run resumes the studies.
+coordinator fails that trial and, where the death was a GPU fault or a crash (SIGSEGV, SIGKILL,
+...), starts a fresh worker on that GPU, which goes on with the studies (a candidate that broke
+the CUDA context is then one failed trial, on one GPU as on several). The other workers are not
+disturbed, and a later run resumes whatever is left.
 
 Several hosts share studies through a database storage (``--storage postgresql://...``): every
 host runs the same ``kvgen tune`` command; heartbeats (``tuner.HEARTBEAT_S``) let any worker
@@ -40,6 +43,11 @@ from typing import Any
 GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
 # Exit status of a worker that stopped because its GPU context is broken.
 EXIT_FAULT = 3
+# Deaths after which a fresh worker takes the GPU: a GPU fault, or a crash signal (an
+# interrupt or a terminate is the user's, and a Python error would only repeat).
+RESTART_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT,
+                   signal.SIGKILL)  # fmt: skip
+MAX_RESTARTS = 8  # fresh workers a GPU at most, in one run
 
 
 @dataclasses.dataclass
@@ -61,8 +69,13 @@ class Plan:
 @dataclasses.dataclass
 class WorkerExit:
     device: str
-    returncode: int
-    failed_trials: int  # running trials of this worker that the coordinator failed
+    returncode: int  # of the device's last worker
+    failed_trials: int  # running trials of this device's workers that the coordinator failed
+    deaths: list[int] = dataclasses.field(default_factory=list)  # replaced workers' statuses
+
+
+def _restartable(returncode: int) -> bool:
+    return returncode == EXIT_FAULT or -returncode in RESTART_SIGNALS
 
 
 def visible_devices() -> list[str]:
@@ -86,9 +99,12 @@ def run_workers(
     log: Callable[[str], None] = print,
     env: dict[str, str] | None = None,
     poll_s: float = 0.2,
+    max_restarts: int = MAX_RESTARTS,
 ) -> list[WorkerExit]:
     """Start one worker per device on ``plan`` and wait for all of them. A worker that exits
-    with an error has its running trials failed at once; the others are not disturbed."""
+    with an error has its running trials failed at once; the others are not disturbed. One
+    that died of a GPU fault or a crash is replaced by a fresh worker on its device (at most
+    ``max_restarts`` times a device, none after the plan's deadline)."""
     from kvgen.tune import tuner
 
     storage = tuner.storage_from(plan.storage, Path(plan.storage))
@@ -109,7 +125,8 @@ def run_workers(
             child_env.setdefault(var, threads)
         paths = [str(Path(kvgen.__file__).parent.parent), child_env.get("PYTHONPATH")]
         child_env["PYTHONPATH"] = os.pathsep.join(x for x in paths if x)
-        for dev in devices:
+
+        def start(dev: str) -> None:
             p = subprocess.Popen(
                 [sys.executable, "-P", "-m", "kvgen.tune.worker", str(plan_file)],
                 env={**child_env, "CUDA_VISIBLE_DEVICES": dev},
@@ -121,16 +138,21 @@ def run_workers(
             t = threading.Thread(target=_pump, args=(p, f"[gpu {dev}] ", log), daemon=True)
             t.start()
             pumps.append(t)
+
+        for dev in devices:
+            start(dev)
         log(f"started {len(procs)} workers (pids {', '.join(str(p.pid) for p in procs.values())})")
         exits: dict[str, WorkerExit] = {}
+        deaths: dict[str, list[int]] = {dev: [] for dev in devices}
+        failed: dict[str, int] = {dev: 0 for dev in devices}
         try:
             while len(exits) < len(procs):
-                for dev, p in procs.items():
+                for dev, p in list(procs.items()):
                     if dev in exits or p.poll() is None:
                         continue
-                    failed = 0
                     if p.returncode != 0:
-                        failed = _fail_trials_of(plan, storage, worker_id(p.pid))
+                        n = _fail_trials_of(plan, storage, worker_id(p.pid))
+                        failed[dev] += n
                         why = (
                             "a GPU fault"
                             if p.returncode == EXIT_FAULT
@@ -138,11 +160,20 @@ def run_workers(
                             if p.returncode < 0
                             else f"exit status {p.returncode}"
                         )
-                        log(
-                            f"worker on GPU {dev} died ({why}); {failed} running trial(s) "
-                            "failed; the other workers go on"
+                        again = (
+                            _restartable(p.returncode)
+                            and len(deaths[dev]) < max_restarts
+                            and (plan.deadline is None or time.time() < plan.deadline)
                         )
-                    exits[dev] = WorkerExit(dev, p.returncode, failed)
+                        log(
+                            f"worker on GPU {dev} died ({why}); {n} running trial(s) failed; "
+                            + ("a fresh worker takes the GPU" if again else "the others go on")
+                        )
+                        if again:
+                            deaths[dev].append(p.returncode)
+                            start(dev)
+                            continue
+                    exits[dev] = WorkerExit(dev, p.returncode, failed[dev], deaths[dev])
                 time.sleep(poll_s)
         except KeyboardInterrupt:
             # Ctrl-C: stop every worker, fail what they were running, and let the caller stop.

@@ -109,8 +109,10 @@ def run(
     t0 = time.monotonic()
     exits = parallel.run_workers(plan, devices, log=log)
     dead = [e for e in exits if e.returncode != 0]
+    replaced = sum(len(e.deaths) for e in exits)
     log(
         f"workers done in {time.monotonic() - t0:.1f} s"
+        + (f"; {replaced} replaced after a fault or crash" if replaced else "")
         + (f"; {len(dead)} died (re-run to resume)" if dead else "")
     )
     factory = parallel.evaluator_factory(plan)
