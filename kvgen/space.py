@@ -112,6 +112,9 @@ class Space:
     # Constraints that also name the bucket's sizes (e.g. no more heads per program than the
     # bucket has heads): checked when a study of a bucket proposes a point.
     bucket_constraints: dict[str, str] = field(default_factory=dict)
+    # Parameters that only the host code reads (a split policy): points that differ in them
+    # alone run the same compiled kernels ([host] params = [...] in the space file).
+    host: tuple[str, ...] = ()
 
     def points(self) -> list[dict[str, Any]]:
         """Every combination of parameter values (the exhaustive grid)."""
@@ -141,6 +144,17 @@ class Space:
     def feasible(self, spec, bucket: dict[str, int] | None = None) -> list[dict[str, Any]]:
         """The grid points that break no constraint for ``spec`` (and ``bucket``)."""
         return [m for m in self.points() if not self.violations(spec, m, bucket)]
+
+    def compile_points(self, spec) -> list[dict[str, Any]]:
+        """The feasible points, one for each set of compiled kernels: the first of those that
+        differ only in host parameters."""
+        seen, out = set(), []
+        for m in self.feasible(spec):
+            key = tuple(v for k, v in m.items() if k not in self.host)
+            if key not in seen:
+                seen.add(key)
+                out.append(m)
+        return out
 
     def allows(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` names exactly this space's parameters, with values from the space."""
@@ -174,8 +188,11 @@ def load_space(template: str) -> Space:
         buckets = {k: tuple(int(x) for x in v) for k, v in doc["buckets"].items()}
         constraints = dict(doc.get("constraints", {}))
         bucket_constraints = dict(doc.get("bucket_constraints", {}))
+        host = tuple(doc.get("host", {}).get("params", ()))
     except (KeyError, TypeError, AttributeError) as exc:
         raise SpaceError(f"{path}: needs [params] and [buckets] tables ({exc})") from None
     if not params or any(not v for v in params.values()):
         raise SpaceError(f"{path}: every parameter needs at least one value")
-    return Space(template, params, buckets, constraints, bucket_constraints)
+    if unknown := [h for h in host if h not in params]:
+        raise SpaceError(f"{path}: [host] names {unknown}, which are not parameters")
+    return Space(template, params, buckets, constraints, bucket_constraints, host)

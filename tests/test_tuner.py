@@ -337,6 +337,35 @@ def test_kvgen_log_environment_variable_prints_debug_lines(tmp_path):
     assert line and line[0].startswith("DEBUG kvgen:") and "num_tokens=4" in line[0], out.stderr
 
 
+def test_host_parameters_share_one_compile(tmp_path, monkeypatch):
+    """Points that differ only in [host] parameters (a split policy the launcher or the
+    scheduler reads) are compiled once; a [host] name that is not a parameter is refused."""
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.space import Space
+
+    gqa = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    space = load_space(gqa.template)
+    assert space.host == ("split_factor",)
+    compiled = space.compile_points(gqa)
+    key = [tuple(v for k, v in m.items() if k != "split_factor") for m in compiled]
+    assert len(key) == len(set(key))  # one point for each compiled set
+    assert set(key) == {tuple(v for k, v in m.items() if k != "split_factor")
+                        for m in space.feasible(gqa)}  # fmt: skip
+    assert len(compiled) * len(space.params["split_factor"]) >= len(space.feasible(gqa))
+    no_host = Space(space.template, space.params, space.buckets, space.constraints)
+    assert no_host.compile_points(gqa) == no_host.feasible(gqa)
+    bad = tmp_path / "t.space.toml"
+    bad.write_text('[params]\na = [1]\n[buckets]\nn = [1]\n[host]\nparams = ["b"]\n')
+    render = sys.modules["kvgen.codegen.render"]  # (the package's render is the function)
+    monkeypatch.setattr(render, "template_path", lambda t: tmp_path / "t.py.j2")
+    load_space.cache_clear()
+    try:
+        with pytest.raises(SpaceError, match="not parameters"):
+            load_space("t.py.j2")
+    finally:
+        load_space.cache_clear()
+
+
 def test_constraint_language_is_closed():
     assert evaluate("is_pow2(a) and a * 2 <= b", {"a": 4, "b": 8})
     for bad in ("__import__('os')", "a.b", "[1][0]", "open('x')"):

@@ -164,4 +164,5 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
             # Triton specialises integer arguments (== 1, multiples of 16): compile with a
             # middle bucket, which shares its binaries with most of the others.
             bucket = mine[len(mine) // 2].bucket
-            precompile(spec, bucket, space.feasible(spec), compile_jobs, progress=log, stop=stop)
+            precompile(spec, bucket, space.compile_points(spec), compile_jobs, progress=log,
+                       stop=stop)  # fmt: skip
