@@ -3,7 +3,7 @@ process per GPU and one GPU being one worker of the same path; then each study's
 re-timed (the confirmation step) and the JSON written once, from the stored studies.
 
 Trials run in the workers, never in this process: a candidate that breaks its GPU context
-ends its worker only (the trial is failed; a re-run resumes).
+ends its worker only (the trial is failed, and a fresh worker takes the GPU).
 """
 
 from __future__ import annotations
