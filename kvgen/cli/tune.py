@@ -73,9 +73,9 @@ def tune_cmd(
     process per GPU (a candidate that breaks its GPU context fails its trial and ends that
     worker; a fresh one takes the GPU); an interrupted run resumes from its storage. With
     several GPUs (or several hosts sharing a --storage postgresql://... database, each running
-    this command), the trials of every study are spread over all workers. Before writing, the best few configs of each study and the
-    default are timed again in alternated rounds (--confirm), so that one lucky timing does not
-    pick the config.
+    this command), the trials of every study are spread over all workers. Before writing, the
+    best few configs of each study and the default are timed again in alternated rounds
+    (--confirm), so that one lucky timing does not pick the config.
     """
     import torch
 
