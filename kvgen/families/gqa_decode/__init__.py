@@ -71,8 +71,8 @@ class GQADecodeSpec(VariantSpec):
             "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
             "gqa": True,  # the combine masks V's padding columns and keeps a NaN lse
         }
-        if self.kv.startswith("fp8"):
-            out["tl_cache_dtype"] = {"fp8e4m3": "float8e4nv", "fp8e5m2": "float8e5"}[self.kv]
+        if self.kv not in ("auto", "int4"):  # the cache's Triton dtype, from its format
+            out["tl_cache_dtype"] = formats.get(self.kv).constants["tl_cache_dtype"]
         if self.kv == "int4":
             # scale groups of the padded head: [groups_pad, channels] tiles
             out["k_tile"] = (cdiv(d_pad, min(self.group, d_pad)), min(self.group, d_pad))
