@@ -88,6 +88,35 @@ def test_variant_unequal_lengths(spec, policy, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy)
 
 
+@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("policy", ["split", "whole"])
+@pytest.mark.parametrize("spec", VARIANTS, ids=_kid)
+def test_bad_block_table_gives_nan_for_that_sequence_only(spec, policy, page, bad, device):
+    """A page outside the cache (past its end, or negative), or a length past what the block
+    table holds, is never read (the default check_block_table=False): that sequence's out and
+    lse are NaN, the other sequences exact."""
+    q, k_cache, table, sl = _problem([70, 130, 33], page, 16, 1, spec.head_dim,
+                                     DTYPES[spec.dtype], device)  # fmt: skip
+    good_table, good_sl = table.clone(), sl.clone()
+    if bad == "page_past_end":
+        table[1, 1] = k_cache.shape[0] + 99
+    elif bad == "negative_page":
+        table[1, 0] = -1
+    else:
+        sl[1] = table.shape[1] * page + 5
+        good_sl[1] = 0
+    meta, splits = schedule(sl, 4, policy)
+    out, lse = load(spec).launch(q, k_cache, table, sl, meta, splits, spec.head_dim**-0.5, False,
+                                 **spec.default_meta(rows=16))  # fmt: skip
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    ref_out, ref_lse = mla_decode(q.cpu(), k_cache.cpu(), good_table.cpu(), good_sl.cpu(),
+                                  spec.head_dim_v)  # fmt: skip
+    for b in (0, 2):
+        rel = (out[b].cpu().double() - ref_out[b]).norm() / ref_out[b].norm()
+        assert rel < 1e-2 and float((lse[b].cpu().double() - ref_lse[b]).abs().max()) < 1e-3
+
+
 @pytest.mark.parametrize("spec", _hopper(VARIANTS), ids=_kid)
 def test_hopper_launchers_refuse_caches_their_kernels_cannot_read(spec, device):
     """A direct call of a generated launcher with a cache its kernel cannot read (rows not

@@ -303,6 +303,45 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     _assert_matches(out, lse, want, want_lse)
 
 
+@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
+def test_a_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+    """A page outside the cache, or a length past what the table holds, is never read: that
+    sequence's out and lse are NaN, the others those of the decode over the dequantized cache."""
+    from kvgen.bench.decode import K_SCALE, dequantized
+    from kvgen.codegen import load
+
+    gen = torch.Generator().manual_seed(3)
+    seqlens, page = [70, 100, 33], 16
+    blocks, table = _table(seqlens, page, gen)
+    fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
+    row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
+    k_scale = torch.tensor([K_SCALE], device=device)
+    cache = torch.empty(blocks, page, 1, row, dtype=torch.uint8, device=device)
+    kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
+    _store(fmt, kv, torch.arange(blocks * page, device=device), cache.view(blocks, page, row),
+           k_scale)  # fmt: skip
+    q = torch.randn(3, 1, 16, 576, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    table = table.to(device)
+    good_table, good_sl = table.clone(), sl.clone()
+    if bad == "page_past_end":
+        table[1, 1] = blocks + 99
+    elif bad == "negative_page":
+        table[1, 0] = -1
+    else:
+        sl[1] = table.shape[1] * page + 5
+        good_sl[1] = 0
+    meta, splits = get_mla_metadata(sl, 16, 1)
+    mp = spec.default_meta(rows=16) | ({"k_scale": k_scale} if fmt == "fp8" else {})
+    out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    deq = dequantized(fmt, cache, k_scale)
+    meta, splits = get_mla_metadata(good_sl, 16, 1)
+    want, want_lse = flash_mla_with_kvcache(q, deq, good_table, good_sl, 512, meta, splits)
+    _assert_matches(out[[0, 2]], lse[[0, 2]], want[[0, 2]], want_lse[[0, 2]])
+
+
 @pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
 def test_one_key_reads_back_its_row(spec, device):
     """A sequence of one key attends to that key alone (P = 1): its out is the key's V, the
