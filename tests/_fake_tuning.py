@@ -4,7 +4,9 @@ Workers import it as ``_fake_tuning:evaluator`` (the tests put this folder on PY
 Environment knobs: KVGEN_FAKE_LOG (a file: every evaluation appends "pid params" to it),
 KVGEN_FAKE_SLEEP (seconds per trial), KVGEN_FAKE_DIE_AT (a trial count: the worker whose
 evaluation brings the log to that many lines kills itself with SIGKILL mid-trial, once),
-KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives),
+KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives;
+with KVGEN_FAKE_CUDA=1 every evaluation launches a small Triton kernel on the GPU, and that one
+writes 4 TiB past its tensor instead, a real illegal address that breaks the CUDA context),
 KVGEN_FAKE_WORKERS (a count: a worker's first evaluation waits, up to a minute, until that many
 worker processes have reached theirs, so that a test of several workers never sees one worker do
 all the trials while another is still starting).
@@ -15,6 +17,9 @@ import json
 import os
 import signal
 import time
+
+import triton
+import triton.language as tl
 
 
 def environment() -> dict:
@@ -57,6 +62,21 @@ def _wait_for_workers(log: str, count: int, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@triton.jit
+def _poke(x_ptr, offset, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offset + i, i.to(tl.float32))
+
+
+def _launch_on_gpu(fault: bool) -> None:
+    """A real kernel launch; with ``fault``, one that writes outside every allocation."""
+    import torch
+
+    x = torch.zeros(1024, device="cuda")
+    _poke[(1,)](x, (1 << 40) if fault else 0, BLOCK=1024)
+    torch.cuda.synchronize()
+
+
 _started = False
 
 
@@ -67,6 +87,7 @@ def evaluator(spec, bucket):
     fault_at = int(os.environ.get("KVGEN_FAKE_FAULT_AT", "0"))
 
     workers = int(os.environ.get("KVGEN_FAKE_WORKERS", "0"))
+    on_gpu = os.environ.get("KVGEN_FAKE_CUDA") == "1"
 
     def evaluate(meta):
         global _started
@@ -85,8 +106,13 @@ def evaluator(spec, bucket):
                 f.flush()
             if n == die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if n == fault_at and on_gpu:
+                _launch_on_gpu(fault=True)
+                raise AssertionError("the faulting kernel ran without a fault")
             if n == fault_at:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if on_gpu:
+            _launch_on_gpu(fault=False)
         time.sleep(sleep)
         return cost(meta)
 

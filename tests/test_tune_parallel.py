@@ -216,6 +216,27 @@ def test_a_tune_on_one_gpu_survives_a_faulting_candidate(tmp_path, two_fake_gpus
     assert entry["trials"] == len(SPACE.points()) and entry["failed_trials"] == 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_tune_on_a_real_gpu_survives_a_kernel_that_faults(tmp_path, monkeypatch):
+    """`kvgen tune` on this machine's first GPU, each trial a real kernel launch, the third one
+    an illegal address: the CUDA context of that worker breaks, a fresh worker takes the GPU,
+    the tune writes its JSON with that trial failed."""
+    for k, v in _env(tmp_path / "evals.log", sleep=0.0, fault_at=3).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVGEN_FAKE_CUDA", "1")
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", FAKE)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.syspath_prepend(str(HERE))
+    result = _kvgen(*_tune_args(tmp_path, "16", "1"))
+    assert result.exit_code == 0, result.output
+    assert "illegal memory access" in result.output, result.output
+    assert "GPU fault, this worker stops" in result.output, result.output
+    assert "a fresh worker takes the GPU" in result.output, result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    entry = doc["entries"][SPEC.name]["num_tokens=16"]
+    assert entry["trials"] == len(SPACE.points()) and entry["failed_trials"] == 1
+
+
 def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
     """Killed with its coordinator (the whole host went down): the next run fails its trial."""
     journal = str(tmp_path / "tune.journal")
