@@ -103,6 +103,10 @@ def _check_decode(
     if q.stride(3) != 1 or q.stride(2) != d or q.stride(1) != h_q * d:
         raise ValueError("q must be contiguous in its last three dimensions")
     check.ndim("k_cache", k, 4, "[num_blocks, page_block_size, num_heads_k, head_dim]")
+    if k.shape[0] < 1 or k.shape[1] < 1:
+        raise ValueError(
+            f"k_cache needs at least one page of at least one row; got {tuple(k.shape)}"
+        )
     fmt = _kv_format(q, k, head_dim_v, kv_format, k_scale, mxfp4_group)
     h_kv = k.shape[2]
     if h_kv < 1 or h_q % h_kv:
