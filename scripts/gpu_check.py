@@ -129,6 +129,14 @@ def quantized_decodes() -> None:
             want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
             rel = float((out.float() - want.float()).norm() / want.float().norm())
             check(f"flash_mla_with_kvcache {fmt} h_q={h_q}", rel < 2e-3)
+            bad = table.clone()
+            bad[0, 1] = -1  # a negative page
+            bad[3, 0] = blocks  # one past the last page
+            got, lse = flash_mla_with_kvcache(
+                q, cache, bad, sl, 512, meta, splits, causal=True, k_scale=k_scale
+            )
+            check(f"flash_mla_with_kvcache {fmt} h_q={h_q} bad pages -> NaN",
+                  _nan_for(got, lse, out, (0, 3)))  # fmt: skip
             for spec in quantized_variants(fmt):  # each variant, launched directly
                 mp = spec.default_meta(rows=2 * h_q)
                 mp |= {"k_scale": k_scale} if fmt == "fp8" else {}
@@ -174,6 +182,18 @@ def decode(spec, h_kv: int) -> None:
     out, _ = load(spec).launch(q, k, table, sl, meta, splits, spec.head_dim**-0.5, True, **mp)
     rel = float((out.cpu().double() - ref).norm() / ref.norm())
     check(f"{spec.name} h_kv={h_kv} {mp}", rel < 1e-2)
+    bad = table.clone()
+    bad[0, 0] = -5  # a negative page
+    bad[3, 1] = 2**30  # a page far past the cache
+    got, lse = load(spec).launch(q, k, bad, sl, meta, splits, spec.head_dim**-0.5, True, **mp)
+    check(f"{spec.name} h_kv={h_kv} bad pages -> NaN", _nan_for(got, lse, out, (0, 3)))
+
+
+def _nan_for(out, lse, good_out, bad) -> bool:
+    """Sequences ``bad`` all NaN (out and lse), every other one as ``good_out``."""
+    nan = all(bool(out[b].isnan().all() and lse[b].isnan().all()) for b in bad)
+    others = [b for b in range(out.shape[0]) if b not in bad]
+    return nan and all(torch.equal(out[b], good_out[b]) for b in others)
 
 
 def gqa_decodes() -> None:

@@ -225,6 +225,7 @@ for ds, bn, bufs, in_page, tma in (
             "TILE_IN_PAGE": in_page,
             "USE_TMA": tma,
             "ONE_KV_HEAD": in_page,  # several KV heads where not
+            "FEWEST_BUFFERS": bufs == 1,
         },
         warps=4,
         maxnreg=mod.ROLES_MAXNREG,
@@ -287,6 +288,7 @@ for spec in (
                     "TILE_IN_PAGE": in_page,
                     "USE_TMA": tma,
                     "ONE_KV_HEAD": tma or bn == 32,  # several KV heads: cp.async only
+                    "FEWEST_BUFFERS": bufs == 1,
                 },
                 warps=4,
                 maxnreg=mod.ROLES_MAXNREG,

@@ -88,6 +88,23 @@ def test_variant_unequal_lengths(spec, policy, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy)
 
 
+# Lengths around every tile and page edge (tiles of 16-64 keys), and a long one.
+MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
+
+
+@pytest.mark.parametrize("policy", ["split", "whole"])
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("spec", _hopper(VARIANTS), ids=_kid)
+def test_hopper_barrier_phases_with_the_fewest_buffers(spec, page, policy, device):
+    """The warp-specialised kernel with one K buffer and one P buffer (num_stages 1,
+    fewest_buffers): every buffer is reused every tile, so a wait on a wrong barrier phase reads
+    a tile before it is written or after it is overwritten, and the result is wrong. Many
+    lengths (tile and page edges), sequences split or whole, causal rows."""
+    q, k, t, sl = _problem(MANY_LENGTHS, page, 16, 2, spec.head_dim, DTYPES[spec.dtype], device)
+    _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy, num_stages=1,
+           fewest_buffers=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("policy", ["split", "whole"])

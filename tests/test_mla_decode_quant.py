@@ -270,11 +270,36 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     and pages smaller than a tile, several KV heads, causal rows, lengths 0 and 1; the rows
     past each sequence's end hold 0xFF bytes (NaN codes and scales), which must not reach the
     output; against kvgen's decode over the dequantized cache."""
+    _quantized_case(spec, page, h_q, h_kv, s_q, extra, [150, 0, 1, 70], device)
+
+
+# Lengths around every tile and page edge (tiles of 16-64 keys), and a long one.
+MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
+
+
+def _hopper_quantized():
+    found = [s for s in _variants() if s.variant == "wgmma"]
+    return found or [
+        pytest.param(None, marks=pytest.mark.skip(reason="wgmma: an sm90 GPU only"), id="wgmma")
+    ]
+
+
+@pytest.mark.parametrize("spec", _hopper_quantized(), ids=lambda s: getattr(s, "name", s))
+@pytest.mark.parametrize("page,extra", [(64, 0), (64, 3), (16, 3)])
+def test_hopper_barrier_phases_with_the_fewest_buffers(spec, page, extra, device):
+    """The warp-specialised kernel with every ring at its minimum (one K buffer, one P buffer,
+    two staging buffers: fewest_buffers): each buffer is reused every tile or two, so a wait on
+    a wrong barrier phase reads a tile before it is written or after it is overwritten, and the
+    result is wrong. Many lengths (tile and page edges), TMA and cp.async loaders."""
+    _quantized_case(spec, page, 16, 1, 2, extra, MANY_LENGTHS, device, num_stages=1,
+                    fewest_buffers=True)  # fmt: skip
+
+
+def _quantized_case(spec, page, h_q, h_kv, s_q, extra, seqlens, device, **meta_kw):
     from kvgen.bench.decode import K_SCALE, dequantized
     from kvgen.codegen import load
 
     gen = torch.Generator().manual_seed(page + h_q)
-    seqlens = [150, 0, 1, 70]
     blocks, table = _table(seqlens, page, gen)
     fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
     row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
@@ -297,7 +322,7 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     table = table.to(device)
     rows = s_q * h_q // h_kv
     meta, splits = get_mla_metadata(sl, rows, h_kv)
-    mp = spec.default_meta(rows=rows) | ({"k_scale": k_scale} if fmt == "fp8" else {})
+    mp = spec.default_meta(rows=rows) | ({"k_scale": k_scale} if fmt == "fp8" else {}) | meta_kw
     out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
     want, want_lse = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
     _assert_matches(out, lse, want, want_lse)
