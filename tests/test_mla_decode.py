@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from _hopper import MANY_LENGTHS, hopper
 
 from kvgen import registry
 from kvgen.codegen import load
@@ -66,15 +67,6 @@ def _check(q, k_cache, table, sl, dv, causal=False, scale=None, spec=None, polic
     assert err.numel() == 0 or float(err.max()) < 1e-3
 
 
-def _hopper(specs):
-    """The wgmma (Gluon) specs of ``specs``; on a machine without an sm90 GPU, one skipped
-    case saying why (Gluon does not run in Triton's interpreter)."""
-    found = [s for s in specs if s.variant == "wgmma"]
-    return found or [
-        pytest.param(None, marks=pytest.mark.skip(reason="wgmma: an sm90 GPU only"), id="wgmma")
-    ]
-
-
 def _kid(x):
     return getattr(x, "name", None) or ",".join(f"{k}{v}" for k, v in x.items()) or "default"
 
@@ -88,13 +80,9 @@ def test_variant_unequal_lengths(spec, policy, device):
     _check(q, k, t, sl, spec.head_dim_v, causal=True, spec=spec, policy=policy)
 
 
-# Lengths around every tile and page edge (tiles of 16-64 keys), and a long one.
-MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
-
-
 @pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("spec", _hopper(VARIANTS), ids=_kid)
+@pytest.mark.parametrize("spec", hopper(VARIANTS), ids=_kid)
 def test_hopper_barrier_phases_with_the_fewest_buffers(spec, page, policy, device):
     """The warp-specialised kernel with one K buffer and one P buffer (num_stages 1,
     fewest_buffers): every buffer is reused every tile, so a wait on a wrong barrier phase reads
@@ -134,7 +122,7 @@ def test_bad_block_table_gives_nan_for_that_sequence_only(spec, policy, page, ba
         assert rel < 1e-2 and float((lse[b].cpu().double() - ref_lse[b]).abs().max()) < 1e-3
 
 
-@pytest.mark.parametrize("spec", _hopper(VARIANTS), ids=_kid)
+@pytest.mark.parametrize("spec", hopper(VARIANTS), ids=_kid)
 def test_hopper_launchers_refuse_caches_their_kernels_cannot_read(spec, device):
     """A direct call of a generated launcher with a cache its kernel cannot read (rows not
     16-byte aligned for the cp.async of the wgmma variant) raises ValueError instead of
@@ -152,7 +140,7 @@ def test_hopper_launchers_refuse_caches_their_kernels_cannot_read(spec, device):
     _check(q, bad, t, sl, spec.head_dim_v)
 
 
-Q_READERS = _hopper(s for s in VARIANTS if s.head_dim == 576 and s.dtype == "bf16")
+Q_READERS = hopper(s for s in VARIANTS if s.head_dim == 576 and s.dtype == "bf16")
 
 
 @pytest.mark.parametrize("spec", Q_READERS, ids=_kid)

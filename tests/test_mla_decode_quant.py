@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from _hopper import MANY_LENGTHS, hopper
 
 from kvgen.formats import mla_cache
 from kvgen.formats.mla_decode import mla_decode
@@ -273,18 +274,7 @@ def test_every_quantized_variant_matches_the_bf16_decode(spec, page, h_q, h_kv, 
     _quantized_case(spec, page, h_q, h_kv, s_q, extra, [150, 0, 1, 70], device)
 
 
-# Lengths around every tile and page edge (tiles of 16-64 keys), and a long one.
-MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
-
-
-def _hopper_quantized():
-    found = [s for s in _variants() if s.variant == "wgmma"]
-    return found or [
-        pytest.param(None, marks=pytest.mark.skip(reason="wgmma: an sm90 GPU only"), id="wgmma")
-    ]
-
-
-@pytest.mark.parametrize("spec", _hopper_quantized(), ids=lambda s: getattr(s, "name", s))
+@pytest.mark.parametrize("spec", hopper(_variants()), ids=lambda s: getattr(s, "name", s))
 @pytest.mark.parametrize("page,extra", [(64, 0), (64, 3), (16, 3)])
 def test_hopper_barrier_phases_with_the_fewest_buffers(spec, page, extra, device):
     """The warp-specialised kernel with every ring at its minimum (one K buffer, one P buffer,

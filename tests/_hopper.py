@@ -1,0 +1,15 @@
+"""What the MLA decode tests share about the Hopper (wgmma, Gluon) variants."""
+
+import pytest
+
+# Lengths around every tile and page edge (tiles of 16-64 keys), and a long one.
+MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
+
+
+def hopper(specs):
+    """The wgmma (Gluon) specs of ``specs``; on a machine without an sm90 GPU, one skipped
+    case saying why (Gluon does not run in Triton's interpreter)."""
+    found = [s for s in specs if s.variant == "wgmma"]
+    return found or [
+        pytest.param(None, marks=pytest.mark.skip(reason="wgmma: an sm90 GPU only"), id="wgmma")
+    ]
