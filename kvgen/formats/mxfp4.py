@@ -6,8 +6,8 @@ One cache row per slot: ``[latent/2 packed element bytes][latent/group scale byt
 >>> row_bytes(512, 32)
 272
 
-The contract covers finite inputs (latents are); for inf and NaN this reference still gives
-bytes, but kernels are not held to them.
+A group that holds a NaN or an infinity stores the scale byte 0xFF (OCP MX's NaN scale) and
+codes 0, and reads back as NaN in every element; the other groups of its row are unaffected.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E8M0_BIAS = 127
 ZERO_GROUP_EXPONENT = 127  # the stored scale byte of an all-zero group
+NAN_EXPONENT = 0xFF  # the stored scale byte of a group holding a NaN or an infinity
 
 
 def row_bytes(latent: int, group: int = 32) -> int:
@@ -38,13 +39,21 @@ def ceil_log2_exact(q: torch.Tensor) -> torch.Tensor:
     return exponent + (mantissa != 0).to(torch.int32)
 
 
+def nonfinite_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Which groups hold a NaN or an infinity: [tokens, latent/group] bool."""
+    groups = x.float().reshape(x.shape[0], x.shape[1] // group, group)
+    return ~torch.isfinite(groups).all(dim=-1)
+
+
 def group_exponents(x: torch.Tensor, group: int) -> torch.Tensor:
     """The biased E8M0 scale byte X of every group: [tokens, latent/group] int32."""
     groups = x.float().reshape(x.shape[0], x.shape[1] // group, group)
-    amax = groups.abs().amax(dim=-1)
+    bad = nonfinite_groups(x, group)
+    amax = torch.where(bad, 0.0, groups.abs().amax(dim=-1))
     q = amax / 6.0  # fp32 division, IEEE round-to-nearest on the CPU
     x_biased = (ceil_log2_exact(q) + E8M0_BIAS).clamp(1, 254)
-    return torch.where(amax == 0, torch.full_like(x_biased, ZERO_GROUP_EXPONENT), x_biased)
+    x_biased = torch.where(amax == 0, torch.full_like(x_biased, ZERO_GROUP_EXPONENT), x_biased)
+    return torch.where(bad, torch.full_like(x_biased, NAN_EXPONENT), x_biased)
 
 
 def quantize_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
@@ -52,11 +61,14 @@ def quantize_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     tokens, latent = x.shape
     if latent % group or group % 2:
         raise ValueError(f"group {group} must be even and divide latent {latent}")
-    xf = x.float().reshape(tokens, latent // group, group)
+    bad = nonfinite_groups(x, group)
+    xf = torch.where(bad[..., None], 0.0, x.float().reshape(tokens, latent // group, group))
     x_biased = group_exponents(x, group)
 
-    # v = x * 2^-(X - 127): multiplying by a power of two is exact.
-    v = xf * torch.exp2(-(x_biased - E8M0_BIAS).double()).float()[..., None]
+    # v = x * 2^-(X - 127): multiplying by a power of two is exact. (A non-finite group's
+    # elements are 0 here: its codes are 0.)
+    finite_biased = torch.where(bad, E8M0_BIAS, x_biased)
+    v = xf * torch.exp2(-(finite_biased - E8M0_BIAS).double()).float()[..., None]
     mag = torch.zeros_like(v, dtype=torch.int32)
     for midpoint in E2M1_MIDPOINTS:
         mag += (v.abs() > midpoint).to(torch.int32)  # strictly above: ties go down
@@ -68,13 +80,15 @@ def quantize_rows(x: torch.Tensor, group: int = 32) -> torch.Tensor:
 
 
 def dequantize_rows(rows: torch.Tensor, latent: int, group: int = 32) -> torch.Tensor:
-    """Decode cache rows ([n, row_bytes] uint8) to fp32 [n, latent]: value(code) * 2^(X - 127)."""
+    """Decode cache rows ([n, row_bytes] uint8) to fp32 [n, latent]: value(code) * 2^(X - 127);
+    every element of a group whose scale byte X is 0xFF is NaN."""
     rows = rows.to(torch.int32)
     packed, x_biased = rows[:, : latent // 2], rows[:, latent // 2 : row_bytes(latent, group)]
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(rows.shape[0], latent)
     values = torch.tensor(E2M1_VALUES, device=rows.device)[codes & 7]
     values = torch.where(codes & 8 != 0, -values, values)
     scale = torch.exp2((x_biased - E8M0_BIAS).double()).float()
+    scale = torch.where(x_biased == NAN_EXPONENT, float("nan"), scale)
     grouped = values.reshape(rows.shape[0], latent // group, group) * scale[..., None]
     return grouped.reshape(rows.shape[0], latent)
 

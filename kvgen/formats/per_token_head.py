@@ -3,6 +3,12 @@
 
 Tensors here are ``[tokens, heads, head_size]``; caches are ``[num_blocks, block_size, heads,
 ...]`` views with any strides (vLLM's NHD memory, or HND memory passed as a permuted view).
+
+Non-finite input: a scale group that holds a NaN or an infinity (the (token, head) row of int8
+/ fp8, the channel group of int4) stores codes 0 and a NaN scale (fp32 ``0x7FC00000``; int4's
+fp16 ``0x7E00``), so that all of it reads back as NaN; the other groups are unaffected. A finite
+int4 group whose fp32 scale exceeds fp16's largest value stores the scale 65504 (its codes are
+still those of the fp32 scale).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ QUANT_RANGE = {
     torch.float8_e5m2: (57344.0, -57344.0),
 }
 MIN_SCALE = 1e-6
+FP32_NAN_BITS = 0x7FC00000  # the NaN scale of a non-finite int8 / fp8 row
+FP16_NAN_BITS = 0x7E00  # the NaN scale of a non-finite int4 group
+FP16_MAX = 65504.0
 
 #: int4 magnitudes by code m = 0..7 (code 8 + m is the negative of code m; 8 is -0)
 INT4_LEVELS = (0.0, 0.049726, 0.150815, 0.257223, 0.374146, 0.510790, 0.688876, 1.0)
@@ -34,7 +43,8 @@ def _round_half_even(y: torch.Tensor) -> torch.Tensor:
 def quantize_per_token_head(x: torch.Tensor, cache_dtype: torch.dtype):
     """``x`` [..., head_size] -> (q of ``cache_dtype``, fp32 scale [...])."""
     qmax, qmin = QUANT_RANGE[cache_dtype]
-    xf = x.float()
+    bad = ~torch.isfinite(x.float()).all(dim=-1)  # the row holds a NaN or an infinity
+    xf = torch.where(bad[..., None], 0.0, x.float())
     amax = xf.abs().amax(dim=-1)
     scale = torch.clamp(amax / qmax, min=MIN_SCALE)  # fp32 divisions, correctly rounded
     y = xf / scale[..., None]
@@ -42,7 +52,8 @@ def quantize_per_token_head(x: torch.Tensor, cache_dtype: torch.dtype):
         q = torch.clamp(_round_half_even(y), qmin, qmax).to(torch.int8)
     else:
         q = torch.clamp(y, qmin, qmax).to(cache_dtype)  # torch's fp8 cast rounds to nearest even
-    return q, scale
+    nan = torch.tensor(FP32_NAN_BITS, dtype=torch.int32).view(torch.float32)
+    return q, torch.where(bad, nan, scale)
 
 
 def dequantize_per_token_head(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -61,6 +72,8 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
     padded = torch.zeros(*x.shape[:-1], groups * channels)
     padded[..., :head_size] = x.float()  # padding lanes are 0 and quantize to code 0
     g = padded.reshape(*x.shape[:-1], groups, channels)
+    bad = ~torch.isfinite(g).all(dim=-1)  # the group holds a NaN or an infinity: codes 0
+    g = torch.where(bad[..., None], 0.0, g)
     scale = torch.clamp(g.abs().amax(dim=-1), min=MIN_SCALE)  # fp32, before rounding to fp16
     y = g.abs() / scale[..., None]
     m = torch.zeros_like(y, dtype=torch.int32)
@@ -72,7 +85,10 @@ def quantize_int4(x: torch.Tensor, channels: int = INT4_DEFAULT_CHANNELS):
     if codes.shape[-1] < 2 * nbytes:  # odd head size: the last high nibble is padding
         codes = torch.cat([codes, torch.zeros_like(codes[..., :1])], dim=-1)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.to(torch.uint8), scale.to(torch.float16)
+    # fp16 rounding to nearest, saturating at 65504 (a finite group never gets an inf scale)
+    scale16 = torch.clamp(scale, max=FP16_MAX).to(torch.float16)
+    nan = torch.tensor(FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
+    return packed.to(torch.uint8), torch.where(bad, nan, scale16)
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, head_size: int) -> torch.Tensor:

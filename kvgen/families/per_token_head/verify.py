@@ -62,6 +62,12 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
     return kc, vc, ks, vs
 
 
+def _with(row: torch.Tensor, values: dict[int, float]) -> torch.Tensor:
+    for i, v in values.items():
+        row[i] = v
+    return row
+
+
 def edge_case_heads(tokens: int, heads: int, head_size: int, dtype, seed: int = 0):
     """``[tokens, heads, head_size]`` of ``dtype``: random rows and rows on the formats' edges."""
     gen = torch.Generator().manual_seed(seed)
@@ -85,6 +91,11 @@ def edge_case_heads(tokens: int, heads: int, head_size: int, dtype, seed: int = 
         torch.randn(d, generator=gen) * torch.where(torch.arange(d) % 17 == 3, 50.0, 1.0),
         torch.randn(d, generator=gen) * finfo.smallest_normal * 4,  # tiny, subnormal products
         -torch.zeros(d),
+        _with(torch.randn(d, generator=gen), {d // 2: float("nan")}),  # NaN: the row / group NaN
+        _with(torch.randn(d, generator=gen), {0: float("inf")}),
+        _with(torch.randn(d, generator=gen), {1: float("nan"), d - 1: -float("inf")}),
+        # int4: a group's fp32 scale above fp16's 65504 (saturates); bf16 and fp32 input only
+        torch.randn(d, generator=gen) * (2.0**17 if finfo.max > 1e5 else 1.0),
     ]
     for i, row in enumerate(specials):
         if i < rows.shape[0]:
