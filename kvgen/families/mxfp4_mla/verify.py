@@ -50,6 +50,12 @@ def edge_case_latents(
     odd[1 : min(group, 8)] = mids[: min(group, 8) - 1] * 2.0
     specials.append(odd)
     specials.append(torch.full((group,), 6.0 * 2.0**-126))  # q at the smallest normal
+    # non-finite groups: scale byte 0xFF and codes 0, NaN when read
+    for bad in ({1: float("nan")}, {0: float("inf")}, {2: -float("inf"), 5: float("nan")}):
+        g = torch.randn(group, generator=gen)
+        for i, v in bad.items():
+            g[i] = v
+        specials.append(g)
 
     flat = x.reshape(-1, group)
     for i, s in enumerate(specials):
