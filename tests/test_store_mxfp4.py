@@ -68,7 +68,6 @@ def test_gather_variant_matches_reference(spec, device):
         args += [view.shape[1], view.stride(0)]
     module.launch(*args, **spec.default_meta(tokens))
     got = out.cpu()
-    assert want.isnan().any()  # the non-finite groups read as NaN
     assert not (got == 12345.0).any(), "an output element was left unwritten"
     same = (got == want) | (got.isnan() & want.isnan())
     assert same.all(), f"{int((~same).sum())} elements differ"
