@@ -36,6 +36,7 @@ def check(label: str, ok: bool) -> None:
 def mxfp4_store_and_gather() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(40, 512, device=DEV).to(dtype)
+        x[5, 7], x[9, 100], x[11, 300] = float("nan"), float("inf"), -float("inf")
         cache = make_cache("paged", 96, 272, DEV, block_size=16, gap_rows=3)
         want = cache.fresh_copy()
         slots = make_slots(40, 96, DEV)
@@ -80,6 +81,8 @@ def per_token_head_stores() -> None:
         want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
         key = torch.randn(20, 2, spec.head_size, device=DEV).to(torch.bfloat16)
         value = torch.randn(20, 2, spec.head_size_v, device=DEV).to(torch.bfloat16)
+        key[3, 0, 5], key[7, 1, 0] = float("nan"), float("inf")  # (FORMATS: non-finite input)
+        value[11, 0, 2] = -float("inf")
         slots = make_slots(20, 48, DEV)
         op(key, value, *[c.view for c in caches], slots)
         pth.store(key.cpu(), value.cpu(), *want, slots.cpu())
