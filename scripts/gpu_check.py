@@ -2,6 +2,7 @@
 each store format into guarded caches, each reader, and each decode variant and kernel. Exits 1
 when a result disagrees with the reference or a guard byte changed."""
 
+import functools
 import sys
 
 import torch
@@ -199,7 +200,10 @@ def _nan_for(out, lse, good_out, bad) -> bool:
     return nan and all(torch.equal(out[b], good_out[b]) for b in others)
 
 
-def gqa_decodes() -> None:
+GQA_FORMATS = (("auto", 0), ("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 32))
+
+
+def gqa_decodes(formats=GQA_FORMATS) -> None:
     """The GQA decode over each format (NHD, vLLM's inline-scale rows, HND), and over block
     tables that name pages outside the cache and lengths past the table (never read)."""
     from kvgen.families.gqa_decode.verify import make_caches
@@ -212,7 +216,7 @@ def gqa_decodes() -> None:
     seqlens, page = [70, 0, 1, 130], 16
     blocks, table = block_table(seqlens, page, gen)
     sl = torch.tensor(seqlens, dtype=torch.int32)
-    for kv, group in (("auto", 0), ("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 32)):
+    for kv, group in formats:
         for layout in ("nhd", "inline", "hnd"):
             if layout == "inline" and kv == "auto":
                 continue
@@ -244,12 +248,18 @@ SECTIONS = {
         mla_cache_stores,
         decodes,
         quantized_decodes,
-        gqa_decodes,
     )
+}
+# (one section a GQA cache format: racecheck is slowest on these, and sections run side by side)
+SECTIONS |= {
+    f"gqa_decodes_{kv}": functools.partial(gqa_decodes, ((kv, group),)) for kv, group in GQA_FORMATS
 }
 
 if __name__ == "__main__":
-    # python scripts/gpu_check.py [section ...]: the sections named (default: all)
+    # python scripts/gpu_check.py [--list | section ...]: the sections named (default: all)
+    if sys.argv[1:] == ["--list"]:
+        print("\n".join(SECTIONS))
+        sys.exit(0)
     unknown = set(sys.argv[1:]) - set(SECTIONS)
     if unknown:
         sys.exit(f"unknown sections {sorted(unknown)}; sections: {', '.join(SECTIONS)}")

@@ -6,9 +6,11 @@
 #   hazards on its mbarrier-ordered hand-overs between warpgroups, as it does on FlashMLA's own
 #   mbarrier-synchronised kernel).
 # Writes the reports to ${1:-gpu-check.txt}; exits non-zero on any error. Further arguments name
-# scripts/gpu_check.py's sections to run (default: all). KVGEN_SANITIZER_TOOLS picks the tools
+# scripts/gpu_check.py's sections to run (default: all; `python3 scripts/gpu_check.py --list`). KVGEN_SANITIZER_TOOLS picks the tools
 # (default: "memcheck initcheck synccheck racecheck"); KVGEN_SANITIZER_TIMEOUT (seconds) stops
-# each tool after that long, keeping what it reported (exit 124 for that tool).
+# each run after that long, keeping what it reported (exit 124 for that run).
+# Each (tool, section) pair is its own process, KVGEN_SANITIZER_JOBS (default 8) at a time,
+# racecheck's first (the slowest); the report lists them by tool, then section.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check.txt}
@@ -20,34 +22,52 @@ tools=${KVGEN_SANITIZER_TOOLS:-memcheck initcheck synccheck racecheck}
   echo "# $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   echo "# kvgen ${KVGEN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, $($PYTHON -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)')"
 } >"$out"
-# The tools run side by side (one process each: the compiles are on the CPU, the GPU has room
-# for all four); their reports are joined in order.
-run_tool() {
-  local tool=$1
-  shift
-  local extra=()
+sections=("$@")
+if [ ${#sections[@]} -eq 0 ]; then
+  mapfile -t sections < <("$PYTHON" -P scripts/gpu_check.py --list)
+fi
+run_one() {
+  local tool=$1 section=$2 extra=() limit=()
   case "$tool" in
     racecheck) extra=(--kernel-name-exclude kns=split_kernel_roles) ;;
   esac
-  local limit=()
   [ -n "${KVGEN_SANITIZER_TIMEOUT:-}" ] && limit=(timeout "$KVGEN_SANITIZER_TIMEOUT")
+  local rc=0
   "${limit[@]}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 "$PYTHON" -P \
-    scripts/gpu_check.py "$@" >"$out.$tool" 2>&1
+    scripts/gpu_check.py "$section" >"$out.$tool.$section" 2>&1 || rc=$?
+  echo "$rc" >"$out.$tool.$section.rc"
 }
-declare -A pids
-for tool in $tools; do
-  run_tool "$tool" "$@" &
-  pids[$tool]=$!
+order=()
+for tool in $tools; do [ "$tool" = racecheck ] && order=("$tool" "${order[@]}") || order+=("$tool"); done
+for tool in "${order[@]}"; do
+  for section in "${sections[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "${KVGEN_SANITIZER_JOBS:-8}" ]; do wait -n; done
+    run_one "$tool" "$section" &
+  done
 done
+wait
 rc=0
 for tool in $tools; do
-  trc=0
-  wait "${pids[$tool]}" || trc=$?
-  [ $trc -ne 0 ] && rc=$trc
   echo "## $tool" >>"$out"
-  cat "$out.$tool" >>"$out"
-  rm -f "$out.$tool"
-  [ $trc -eq 124 ] && echo "(stopped after ${KVGEN_SANITIZER_TIMEOUT} s)" >>"$out"
-  echo "$tool: exit $trc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out" | tail -n 1)"
+  bad=()
+  for section in "${sections[@]}"; do
+    trc=$(cat "$out.$tool.$section.rc")
+    echo "### $tool $section (exit $trc)" >>"$out"
+    cat "$out.$tool.$section" >>"$out"
+    [ "$trc" -eq 124 ] && echo "(stopped after ${KVGEN_SANITIZER_TIMEOUT} s)" >>"$out"
+    if [ "$trc" -ne 0 ]; then
+      rc=$trc
+      bad+=("$section (exit $trc)")
+    elif ! grep -qE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$out.$tool.$section"; then
+      rc=1
+      bad+=("$section (no clean summary)")
+    fi
+    rm -f "$out.$tool.$section" "$out.$tool.$section.rc"
+  done
+  if [ ${#bad[@]} -eq 0 ]; then
+    echo "$tool: ${#sections[@]} sections, 0 errors"
+  else
+    echo "$tool: ${#sections[@]} sections; not clean: ${bad[*]}"
+  fi
 done
 exit $rc

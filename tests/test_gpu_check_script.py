@@ -1,0 +1,75 @@
+"""scripts/gpu_check.sh's bookkeeping, with a stand-in for compute-sanitizer: every (tool,
+section) pair runs, the report joins them in order, and a run that reports errors, exits
+non-zero or stops short makes the script fail."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STUB = """#!/bin/bash
+tool=$2; section=${@: -1}
+echo "ran $tool $section"
+case "$tool:$section" in
+  "$BAD") echo "========= ERROR SUMMARY: 2 errors"; exit 3 ;;
+  "$SHORT") exit 0 ;;
+esac
+if [ "$tool" = racecheck ]; then
+  echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+else
+  echo "========= ERROR SUMMARY: 0 errors"
+fi
+"""
+
+
+def run(tmp_path, bad="", short=""):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("compute-sanitizer", STUB), ("nvidia-smi", "#!/bin/bash\necho stub\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable)
+    env |= {"BAD": bad, "SHORT": short, "KVGEN_COMMIT": "test"}
+    out = tmp_path / "report.txt"
+    sections = ["decodes", "gqa_decodes_int4"]
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), str(out), *sections],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return proc, out.read_text()
+
+
+def test_every_tool_runs_every_section_and_the_report_keeps_their_order(tmp_path):
+    proc, report = run(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tools = ["memcheck", "initcheck", "synccheck", "racecheck"]
+    heads = [line for line in report.splitlines() if line.startswith("###")]
+    assert heads == [
+        f"### {t} {s} (exit 0)" for t in tools for s in ("decodes", "gqa_decodes_int4")
+    ]
+    for t in tools:
+        assert f"{t}: 2 sections, 0 errors" in proc.stdout
+    assert not list(tmp_path.glob("report.txt.*")), "a section's temporary report was left"
+
+
+@pytest.mark.parametrize(
+    ("bad", "short", "expect"),
+    [
+        (
+            "initcheck:gqa_decodes_int4",
+            "",
+            "initcheck: 2 sections; not clean: gqa_decodes_int4 (exit 3)",
+        ),
+        ("", "racecheck:decodes", "racecheck: 2 sections; not clean: decodes (no clean summary)"),
+    ],
+)
+def test_an_error_or_a_missing_summary_fails_the_script(tmp_path, bad, short, expect):
+    proc, report = run(tmp_path, bad=bad, short=short)
+    assert proc.returncode != 0
+    assert expect in proc.stdout
