@@ -528,7 +528,8 @@ def test_wall_clock_budget_stops_the_workers(tmp_path):
 
 
 def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
-    """--buckets and --heads pick the studies: one per (num_tokens, num_heads) asked for."""
+    """--buckets and --heads pick the studies: one per (num_tokens, num_heads) asked for, at
+    each row alignment (separate scale caches and vLLM's inline rows)."""
     name = "store_kv_per_token_head-int8-d128-dv128-bf16-sm90-gpu"
     args = [
         "tune",
@@ -552,6 +553,8 @@ def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "out" / "sm90" / "store_kv_per_token_head.json").read_text())
     assert sorted(doc["entries"][name]) == [
-        "num_tokens=16,num_heads=8",
-        "num_tokens=65536,num_heads=8",
+        "num_tokens=16,num_heads=8,row_align=16",
+        "num_tokens=16,num_heads=8,row_align=4",
+        "num_tokens=65536,num_heads=8,row_align=16",
+        "num_tokens=65536,num_heads=8,row_align=4",
     ]

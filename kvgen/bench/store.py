@@ -207,8 +207,23 @@ def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> 
 KV_BLOCK_SIZE = 16
 
 
-def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=torch.bfloat16):
-    """The per-token-head stores: ``fmt`` int8, fp8e4m3, fp8e5m2 or int4 (32 channels/scale)."""
+KV_LAYOUTS = ("separate", "inline")
+
+
+def kv_cases(
+    device,
+    tokens=TOKENS,
+    fmt="int8",
+    heads=8,
+    head_size=128,
+    dtype=torch.bfloat16,
+    layout="separate",
+):
+    """The per-token-head stores: ``fmt`` int8, fp8e4m3, fp8e5m2 or int4 (32 channels/scale).
+    ``layout``: ``"separate"`` scale caches, or ``"inline"``: vLLM's allocation, (blocks, 2,
+    page, heads, codes + scale bytes) with each row's scales in its pad bytes (132-byte int8 /
+    fp8 rows at head 128, 72-byte int4 rows), the caches and scales passed as views of it."""
+    from kvgen.families.gqa_decode.verify import alloc_caches
     from kvgen.ops import (
         triton_reshape_and_cache_flash_int4_per_token_head as store_int4,
     )
@@ -216,6 +231,8 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
         triton_reshape_and_cache_flash_per_token_head_quant as store_quant,
     )
 
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
     cache_dtype = _dtypes.CACHE[fmt]
     int4 = fmt == "int4"
     width = cdiv(head_size, 2) if int4 else head_size
@@ -242,7 +259,13 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
         for _ in range(n_sets):
             k = torch.randn(t, heads, head_size, device=device).to(dtype)
             v = torch.randn(t, heads, head_size, device=device).to(dtype)
-            (kc, ks), (vc, vs) = make(), make()
+            if layout == "inline":
+                shape = (blocks, KV_BLOCK_SIZE, heads)
+                kc, vc, ks, vs = alloc_caches(
+                    fmt, 32, shape, head_size, head_size, dtype, device, "inline"
+                )
+            else:
+                (kc, ks), (vc, vs) = make(), make()
             slots = torch.randperm(blocks * KV_BLOCK_SIZE, device=device)[:t]
             sets.append((k, v, kc, vc, ks, vs, slots))
         op = store_int4 if int4 else store_quant
@@ -254,6 +277,7 @@ def kv_cases(device, tokens=TOKENS, fmt="int8", heads=8, head_size=128, dtype=to
             return kv_store_matches_reference(op, sets[0])
 
         name = f"store_kv_{fmt}-h{heads}-d{head_size}-{str(dtype)[6:]}"
+        name += "-inline" if layout == "inline" else ""
         yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check, sets)
 
 
@@ -271,6 +295,6 @@ def kv_store_matches_reference(store, data: tuple) -> bool:
     ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
     got = [x.cpu() for x in (kc, vc, ks, vs)]
     return all(
-        torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+        torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
         for g, w in zip(got, want, strict=True)
     )

@@ -15,6 +15,7 @@ from kvgen.families.per_token_head import (
     StoreKVInt4Spec,
     StoreKVPerTokenHeadSpec,
     int4_channels_for,
+    row_align,
 )
 from kvgen.formats.per_token_head import INT4_LEVELS
 from kvgen.ops import _checks as check
@@ -93,7 +94,10 @@ def _launch(cls, fmt, key, value, caches, slots, device) -> None:
     if key.shape[0] == 0:
         return
     spec, launch = _variant(cls, fmt, key.shape[2], value.shape[2], key.dtype, device)
-    meta = runtime.meta_params(spec, num_tokens=key.shape[0], num_heads=key.shape[1])
+    align = row_align(caches[0], caches[1])
+    meta = runtime.meta_params(
+        spec, num_tokens=key.shape[0], num_heads=key.shape[1], row_align=align
+    )
     launch(key, value, *caches, slots, **meta)
 
 

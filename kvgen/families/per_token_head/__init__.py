@@ -99,6 +99,19 @@ def spec_format(spec: VariantSpec) -> tuple[formats.KVFormat, int | None]:
     return formats.get(spec.fmt), None
 
 
+def row_align(*caches) -> int:
+    """The largest power of two, at most 16, dividing every one of ``caches``' address and
+    row strides (all but the last, unit stride) in bytes: the tuned configs' ``row_align``
+    bucket. 16 for caches of their own, 4 for vLLM's int8 / fp8 rows with the scale in 4 pad
+    bytes (132 bytes at head 128)."""
+    align = 16
+    for c in caches:
+        for n in (c.data_ptr(), *(s * c.element_size() for s in c.stride()[:-1])):
+            while n % align:
+                align //= 2
+    return align
+
+
 def _head_ok(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024
 
@@ -172,7 +185,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
             "v_groups": amax_groups(v_pieces),
         }
 
-    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
+    def default_meta(self, num_tokens: int, num_heads: int, row_align: int = 16) -> dict[str, int]:
         return _default_meta(self, num_tokens, num_heads)
 
 
@@ -187,7 +200,7 @@ class StoreKVInt4Spec(VariantSpec):
     arch: str = axis("", choices=ARCHS, default="sm90")
     target: str = axis("", choices=TARGETS, default="gpu")
 
-    def default_meta(self, num_tokens: int, num_heads: int) -> dict[str, int]:
+    def default_meta(self, num_tokens: int, num_heads: int, row_align: int = 16) -> dict[str, int]:
         return default_int4_meta(
             num_tokens * num_heads * cdiv(self.head_size, self.channels), self.channels
         )

@@ -46,14 +46,17 @@ class _StoreKVFamily(Family):
         return heads is None or (spec.head_size >= 512) == (heads == 1)
 
     def bench(self, op, bench):
-        # op: the cache format (int8, fp8e4m3, fp8e5m2, int4), at each of the bench's shapes
         import itertools
 
         from kvgen.bench import store
 
+        # op: the cache format (int8, fp8e4m3, fp8e5m2, int4), at each of the bench's shapes,
+        # with separate scale caches and in vLLM's rows with the scales inline
         return bench.stores(
             itertools.chain.from_iterable(
-                store.kv_cases(bench.device, bench.sizes, op, heads, d) for heads, d in BENCH_SHAPES
+                store.kv_cases(bench.device, bench.sizes, op, heads, d, layout=layout)
+                for heads, d in BENCH_SHAPES
+                for layout in store.KV_LAYOUTS
             )
         )
 

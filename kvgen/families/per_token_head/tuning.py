@@ -22,6 +22,8 @@ def store_problem(spec, bucket, device):
             bucket["num_heads"],
             spec.head_size,
             _dtypes.TORCH[spec.in_dtype],
+            # a row_align bucket under 16: vLLM's rows with the scales inline
+            layout="inline" if bucket.get("row_align", 16) < 16 else "separate",
         )
     )
     launch = load(spec).launch

@@ -1,0 +1,102 @@
+"""The per-token-head stores on vLLM's allocation, (blocks, 2, page, heads, codes + scale
+bytes) with each row's scales in its pad bytes: the ``row_align`` bucket their tuned config is
+looked up by, and the bench's and the tuner's cases in that layout."""
+
+import pytest
+import torch
+
+from kvgen import configs, runtime
+from kvgen.bench.store import kv_cases
+from kvgen.families.gqa_decode.verify import alloc_caches
+from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec, row_align
+from kvgen.families.per_token_head.tuning import store_problem
+from kvgen.ops import (
+    triton_reshape_and_cache_flash_int4_per_token_head,
+    triton_reshape_and_cache_flash_per_token_head_quant,
+)
+
+
+@pytest.mark.parametrize(
+    ("kv", "d", "inline"),
+    [("int8", 128, 4), ("fp8e4m3", 576, 4), ("int4", 128, 8), ("int4", 576, 4)],
+)
+def test_row_align_is_16_for_caches_of_their_own_and_less_for_vllm_rows(kv, d, inline):
+    group = 32 if kv == "int4" else 0
+    k, v, *_ = alloc_caches(kv, group, (3, 16, 2), d, d, torch.bfloat16, "cpu", "inline")
+    assert row_align(k, v) == inline  # 132-byte rows (int8 at 128), 72 (int4 at 128), ...
+    k, v, *_ = alloc_caches(kv, group, (3, 16, 2), d, d, torch.bfloat16, "cpu", "nhd")
+    assert row_align(k, v) == 16
+    assert row_align(k[:, :, :, 1:]) == 1  # a view one byte in
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_the_store_looks_its_config_up_by_the_caches_row_align(kv, monkeypatch):
+    seen = []
+    real = runtime.meta_params
+
+    def spy(spec, **size):
+        seen.append(size)
+        return real(spec, **size)
+
+    monkeypatch.setattr(runtime, "meta_params", spy)
+    group = 32 if kv == "int4" else 0
+    store = (
+        triton_reshape_and_cache_flash_int4_per_token_head
+        if kv == "int4"
+        else triton_reshape_and_cache_flash_per_token_head_quant
+    )
+    for layout, want in (("inline", 8 if kv == "int4" else 4), ("nhd", 16)):
+        caches = alloc_caches(kv, group, (2, 16, 2), 128, 128, torch.bfloat16, "cpu", layout)
+        key, value = torch.randn(5, 2, 128).bfloat16(), torch.randn(5, 2, 128).bfloat16()
+        store(key, value, *caches, torch.arange(5))
+        assert seen[-1] == {"num_tokens": 5, "num_heads": 2, "row_align": want}
+
+
+def test_an_untuned_row_align_takes_the_nearest_tuned_bucket():
+    """The committed sm90 configs were tuned on separate scale caches (row_align 16): a call on
+    vLLM's rows uses them until its own bucket is tuned."""
+    spec = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
+    entries = configs.table("sm90", spec.family)[spec.name]
+    want = entries["num_tokens=65536,num_heads=8,row_align=16"]["meta"]
+    got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
+    assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8e5m2", "int4"])
+def test_the_bench_stores_into_vllm_rows_and_checks_every_byte(fmt):
+    case = next(kv_cases("cpu", (7,), fmt, 2, 128, layout="inline"))
+    assert case.variant.endswith("-inline")
+    k, v, kc, vc, ks, vs, slots = case.data[0]
+    assert kc.storage_offset() == 0 and ks.untyped_storage().data_ptr() == kc.data_ptr()
+    assert row_align(kc, vc) < 16
+    assert case.check()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        next(kv_cases("cpu", (7,), fmt, 2, 128, layout="hnd"))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StoreKVPerTokenHeadSpec("fp8e4m3", 128, 128, "bf16", "sm90", "interp"),
+        StoreKVInt4Spec(32, 128, 128, "bf16", "sm90", "interp"),
+    ],
+    ids=lambda s: s.name,
+)
+@pytest.mark.parametrize("align", [4, 16])
+def test_a_tuning_trial_of_a_row_align_bucket_stores_into_that_layout(spec, align, monkeypatch):
+    import kvgen.bench.store as store
+
+    layouts = []
+    real = store.kv_cases
+
+    def spy(*args, **kwargs):
+        layouts.append(kwargs.get("layout"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "kv_cases", spy)
+    bucket = {"num_tokens": 9, "num_heads": 2, "row_align": align}
+    run, check, n_sets = store_problem(spec, bucket, "cpu")
+    assert layouts == ["inline" if align < 16 else "separate"]
+    meta = spec.default_meta(num_tokens=9, num_heads=2)
+    run(0, meta)
+    assert check(meta)
