@@ -5,4 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/pytest -n "${KVGEN_TEST_WORKERS:-auto}" "$@"
+# --durations: the slowest tests, printed at the end (what to look at when the suite grows).
+exec .venv/bin/pytest -n "${KVGEN_TEST_WORKERS:-auto}" --durations=20 "$@"
