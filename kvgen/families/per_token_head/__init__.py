@@ -104,12 +104,12 @@ def row_align(*caches) -> int:
     row strides (all but the last, unit stride) in bytes: the tuned configs' ``row_align``
     bucket. 16 for caches of their own, 4 for vLLM's int8 / fp8 rows with the scale in 4 pad
     bytes (132 bytes at head 128)."""
-    align = 16
+    bits = 16  # (an OR of the values: its lowest set bit is their common power of two)
     for c in caches:
-        for n in (c.data_ptr(), *(s * c.element_size() for s in c.stride()[:-1])):
-            while n % align:
-                align //= 2
-    return align
+        bits |= c.data_ptr()
+        for s in c.stride()[:-1]:
+            bits |= s * c.element_size()
+    return bits & -bits
 
 
 def _head_ok(v: Any) -> bool:
