@@ -120,6 +120,22 @@ def test_interrupted_run_resumes_the_same_study(storage):
     assert rec2.calls[0] != SPEC.default_meta(**BUCKET)  # the default is not run twice
 
 
+def test_a_surplus_trial_from_an_earlier_run_does_not_cost_a_larger_run_a_trial(storage):
+    """A worker that asked for a trial after the budget was taken left a surplus trial; a
+    re-run with a larger budget still ends with that many trials that count."""
+    tuner.run_study(SPEC, BUCKET, SPACE, Recorder(), storage=storage, n_trials=10)
+    study = optuna.load_study(study_name=f"{SPEC.name}@num_tokens=65536", storage=storage)
+    late = study.ask()  # what a late worker's trial is: number 10, past the budget of 10
+    late.set_user_attr(tuner._SURPLUS, True)
+    study.tell(late, state=optuna.trial.TrialState.FAIL)
+    rec = Recorder()
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, n_trials=16)
+    study = optuna.load_study(study_name=study.study_name, storage=storage)
+    assert len(study.trials) == 17  # 16 that count and the surplus one
+    assert r.trials == len(tuner.counted(study.trials)) == 16
+    assert len(rec.calls) == 6  # trials 11 .. 16, each run
+
+
 def _result(meta, t=5.0):
     return tuner.StudyResult(SPEC.name, "num_tokens=65536", meta, t, 2 * t, 10, 1)
 

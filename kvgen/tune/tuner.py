@@ -243,8 +243,17 @@ def budget(
 
 
 def budget_taken(study: optuna.Study, limit: int) -> bool:
-    """Every trial number of the budget handed out (run, running or waiting)."""
-    return len(study.get_trials(deepcopy=False)) >= limit
+    """The budget handed out: ``limit`` trials that count (run, running or waiting; surplus
+    trials, from this run or an earlier one with a smaller budget, do not)."""
+    return len(counted(study.get_trials(deepcopy=False))) >= limit
+
+
+def _beyond_budget(study: optuna.Study, number: int, limit: int) -> bool:
+    """Trial ``number`` comes after the budget: ``limit`` trials that count were handed out
+    before it. A trial below it not yet marked surplus counts, which errs towards surplus only
+    where that trial is itself past the budget (then so is this one)."""
+    before = [t for t in study.get_trials(deepcopy=False) if t.number < number]
+    return len(counted(before)) >= limit
 
 
 def load_study(spec, bucket: dict[str, int], storage) -> optuna.Study | None:
@@ -294,7 +303,7 @@ def open_study(
             meta is not None
             and space.allows(meta)
             and (first or not space.violations(spec, meta, bucket))
-            and len(done) + queued < budget(space, sampler, n_trials, spec, bucket)
+            and len(counted(done)) + queued < budget(space, sampler, n_trials, spec, bucket)
             and not any(
                 t.params == meta or t.system_attrs.get("fixed_params") == meta for t in done
             )
@@ -332,17 +341,18 @@ def work_on_study(
     """Run trials of ``study`` until it holds its budget of trials; any number of processes
     (on any number of hosts, through one storage) may do this on the same study at once.
 
-    The budget is counted in trial numbers, which the storage hands out atomically: trials
-    0 .. budget-1 are the study's, each run by exactly one worker. A worker that asks for a
-    trial when the others have taken the last number gets a surplus trial, which it fails at
-    once without running it and which no count includes.
+    The storage hands out trial numbers atomically; the first ``budget`` numbers that are not
+    surplus are the study's trials, each run by exactly one worker. A worker that asks for a
+    trial when the others have taken the budget gets a surplus trial, which it fails at once
+    without running it and which no count includes (a later run with a larger budget skips
+    it too).
     """
     limit = budget(space, sampler, n_trials, spec, bucket)
 
     def objective(trial: optuna.Trial) -> float:
         if worker is not None:
             trial.set_user_attr("worker", worker)
-        if trial.number >= limit or _duplicate_default(study, trial):
+        if _beyond_budget(study, trial.number, limit) or _duplicate_default(study, trial):
             trial.set_user_attr(_SURPLUS, True)
             raise TrialFailed("surplus: the study's budget was already taken")
         meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
