@@ -65,7 +65,7 @@ def edge_case_latents(
     return x.to(dtype)
 
 
-def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
+def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 16, seed: int = 0) -> Result:
     from kvgen.ops import store_mxfp4_mla
 
     pitch = MXFP4.row_bytes(spec.latent, spec.group)
@@ -87,7 +87,7 @@ def verify_store_mxfp4(spec: VariantSpec, device, tokens: int = 48, seed: int = 
     return Result(spec.name, mismatched == 0, mismatched, max_error)
 
 
-def verify_store_mxfp4_rope(spec: VariantSpec, device, tokens: int = 48, seed: int = 0) -> Result:
+def verify_store_mxfp4_rope(spec: VariantSpec, device, tokens: int = 16, seed: int = 0) -> Result:
     """The store with ``k_pe``: edge-case latents and RoPE rows (bf16 ties, specials) into a
     poisoned, guarded cache of 400-byte-style rows, byte for byte against the reference."""
     from kvgen.formats import mla_cache
