@@ -136,6 +136,187 @@ def test_a_surplus_trial_from_an_earlier_run_does_not_cost_a_larger_run_a_trial(
     assert len(rec.calls) == 6  # trials 11 .. 16, each run
 
 
+def _tried(study):
+    return [t.params for t in tuner.counted(study.trials)]
+
+
+def _one_step(a, b, space=SPACE):
+    """``b`` differs from ``a`` in one parameter, by one step along its values."""
+    diff = [k for k in a if a[k] != b[k]]
+    if len(diff) != 1:
+        return False
+    values = list(space.params[diff[0]])
+    return abs(values.index(a[diff[0]]) - values.index(b[diff[0]])) == 1
+
+
+def far_time(meta):
+    """A cost with its one minimum away from the default (rows 16, warps 8)."""
+    return 10.0 + abs(meta["rows_per_program"] - 16) * 3 + abs(meta["num_warps"] - 8) * 2
+
+
+def test_local_search_walks_from_the_default_to_the_best(override, storage):
+    """Best-first local search: after the default, every trial is an untried feasible point one
+    step from a timed point, the best's first; on a surface with one minimum it gets there."""
+    rec = Recorder()
+    rec_time = lambda meta: (rec(meta), far_time(meta))[1]  # noqa: E731
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec_time, storage=storage, sampler="local",
+                        n_trials=10)  # fmt: skip
+    assert rec.calls[0] == SPEC.default_meta(**BUCKET)
+    keys = [json.dumps(c, sort_keys=True) for c in rec.calls]
+    assert len(set(keys)) == len(keys)  # never a point twice
+    assert all(not SPACE.violations(SPEC, c, BUCKET) for c in rec.calls)
+    walk = tuner.NeighbourhoodSampler(SPACE, SPACE.feasible(SPEC, BUCKET))
+    for i, c in enumerate(rec.calls[1:], 1):
+        timed = rec.calls[:i]
+        assert any(_one_step(t, c) for t in timed), (c, timed)
+        # from the best timed point, while it has untried neighbours
+        best = min(timed, key=far_time)
+        if any(n not in timed for n in walk.neighbours(best)):
+            assert _one_step(best, c), (best, c)
+    best = min(SPACE.feasible(SPEC, BUCKET), key=far_time)
+    assert best != rec.calls[0]
+    assert r.meta == best and r.time_us == far_time(best)
+    assert r.trials == 10
+
+
+def test_local_search_never_picks_a_failed_trial_and_climbs_past_it(override, storage):
+    rec = Recorder(broken={"rows_per_program": 4, "num_warps": 2})  # the true optimum is wrong
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="local", n_trials=20)
+    assert {"rows_per_program": 4, "num_warps": 2, "num_stages": 1} in rec.calls
+    assert r.failed == 1 and (r.meta["rows_per_program"], r.meta["num_warps"]) != (4, 2)
+    timed = [c for c in rec.calls if (c["rows_per_program"], c["num_warps"]) != (4, 2)]
+    assert r.time_us == min(fake_time(c) for c in timed)
+
+
+def test_the_stop_rule_ends_a_study_once_trials_stop_paying(override, storage):
+    """Patience 5 over a flat surface: the default is the one gain, five trials without one
+    end the study; a resumed run with the same rule runs nothing, one without it goes on."""
+    rec = Recorder()
+    flat = lambda meta: (rec(meta), 7.0)[1]  # noqa: E731
+    stop = tuner.StopRule(patience=5)
+    r = tuner.run_study(SPEC, BUCKET, SPACE, flat, storage=storage, sampler="local",
+                        n_trials=30, stop=stop)  # fmt: skip
+    assert r.trials == 6 and len(rec.calls) == 6 and r.stopped_early
+    again = tuner.run_study(SPEC, BUCKET, SPACE, flat, storage=storage, sampler="local",
+                            n_trials=30, stop=stop)  # fmt: skip
+    assert again.trials == 6 and len(rec.calls) == 6  # resumed: still ended
+    more = tuner.run_study(SPEC, BUCKET, SPACE, flat, storage=storage, sampler="local",
+                           n_trials=9)  # fmt: skip
+    assert more.trials == 9 and not more.stopped_early
+
+
+def test_a_point_two_workers_sampled_at_once_runs_in_the_lower_trial_only(storage):
+    """A trial whose point an earlier trial holds (running, or enqueued and waiting) is
+    surplus; the earlier one keeps it; a surplus trial holds nothing."""
+    study = optuna.create_study(storage=storage, study_name="taken")
+    point = {"rows_per_program": 8, "num_warps": 1, "num_stages": 1}
+    dists = {k: optuna.distributions.CategoricalDistribution(list(v))
+             for k, v in SPACE.params.items()}  # fmt: skip
+    study.enqueue_trial(point)  # trial 0: waiting, its point fixed
+    assert tuner._taken_point(study, 1, point) and not tuner._taken_point(study, 0, point)
+    running = study.ask(dists)  # trial 0 runs now (its params: the point)
+    assert running.number == 0 and running.params == point
+    assert tuner._taken_point(study, 1, point)
+    assert not tuner._taken_point(study, 1, {**point, "num_warps": 2})
+    running.set_user_attr(tuner._SURPLUS, True)
+    assert not tuner._taken_point(study, 1, point)
+
+
+def _trials(*outcomes):
+    """Finished trials numbered 0, 1, ...: a float is a time, "fail" a failed trial, "skip" a
+    point skipped by a constraint."""
+    out = []
+    for number, o in enumerate(outcomes):
+        if isinstance(o, float):
+            t = optuna.trial.create_trial(params={}, distributions={}, value=o)
+        else:
+            attrs = {tuner._SKIPPED: True} if o == "skip" else {}
+            t = optuna.trial.create_trial(
+                params={}, distributions={}, state=optuna.trial.TrialState.FAIL, user_attrs=attrs
+            )
+        t.number = number
+        out.append(t)
+    return out
+
+
+def test_the_stop_rule_counts_gains_of_at_least_min_gain_and_failures_as_none():
+    rule = tuner.StopRule(patience=3, min_gain=0.01)
+    # 10 (a gain), then 9.95 (0.5 %), 9.9, 9.89: three trials without a 1 % gain
+    assert rule.met(_trials(10.0, 9.95, 9.9, 9.89))
+    assert not rule.met(_trials(10.0, 9.95, 9.9))
+    # a 2 % gain in between starts the count again
+    assert not rule.met(_trials(10.0, 9.95, 9.7, 9.69))
+    # a failed trial is a trial without a gain; a point skipped by a constraint is no trial
+    assert rule.met(_trials(10.0, "fail", "fail", "fail"))
+    assert not rule.met(_trials(10.0, "skip", "skip", "skip", "skip", 9.99))
+    # order is by trial number, whatever order the storage lists them in
+    assert rule.met(list(reversed(_trials(10.0, 9.95, 9.9, 9.89))))
+    assert not tuner.NO_STOP.met(_trials(1.0, 1.0, 1.0, 1.0, 1.0))
+
+
+def test_a_fresh_study_starts_from_its_nearest_tuned_buckets(override, storage):
+    """Warm start: the best configs of the same variant's nearest finished buckets are trials
+    right after the default (and the incumbent), nearest first; never again on a resume, never
+    one that breaks the bucket's constraints."""
+    near, far = {"num_tokens": 16384}, {"num_tokens": 16}
+    small = lambda meta: 10.0 + meta["rows_per_program"] + meta["num_warps"]  # noqa: E731
+    rn = tuner.run_study(SPEC, near, SPACE, far_time, storage=storage, sampler="local",
+                         n_trials=20)  # fmt: skip
+    rf = tuner.run_study(SPEC, far, SPACE, small, storage=storage, sampler="local",
+                         n_trials=20)  # fmt: skip
+    default = SPEC.default_meta(**BUCKET)
+    assert len({json.dumps(m, sort_keys=True) for m in (rn.meta, rf.meta, default)}) == 3
+    rec = Recorder()
+    tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="local", n_trials=4,
+                    neighbours=[far, near])  # fmt: skip
+    assert rec.calls[:3] == [default, rn.meta, rf.meta]  # the nearest bucket's first
+    study = optuna.load_study(study_name=tuner.study_name(SPEC, BUCKET), storage=storage)
+    assert study.trials[1].user_attrs["warm_start"] == tuner.bucket_key(near)
+    rec2 = Recorder()
+    tuner.run_study(SPEC, BUCKET, SPACE, rec2, storage=storage, sampler="local", n_trials=8,
+                    neighbours=[far, near])  # fmt: skip
+    assert len(rec2.calls) == 4 and not any(c in rec.calls for c in rec2.calls)
+
+
+def test_warm_start_skips_configs_the_bucket_rules_out(override, storage):
+    other = {"num_tokens": 16384}
+    tuner.run_study(SPEC, other, SPACE, far_time, storage=storage, sampler="local", n_trials=12)
+    best = tuner.load_result(SPEC, other, storage).meta
+    assert best != SPEC.default_meta(**BUCKET)
+
+    class Refusing(type(SPACE)):
+        def violations(self, spec, meta, bucket=None):
+            return ["ruled out"] if bucket == BUCKET and meta == best else []
+
+    refusing = Refusing(SPACE.template, SPACE.params, SPACE.buckets, SPACE.constraints)
+    study = tuner.open_study(SPEC, BUCKET, SPACE, storage=storage, sampler="local", n_trials=6)
+    assert tuner.warm_start(study, SPEC, BUCKET, refusing, storage, [other], limit=6) == []
+    assert tuner.warm_start(study, SPEC, BUCKET, SPACE, storage, [other], limit=6) == [best]
+
+
+def test_progress_line_counts_studies_names_the_current_one_and_estimates_time_left(
+    override, storage
+):
+    from kvgen.tune.plan import Study
+    from kvgen.tune.run import Options, Progress
+
+    studies = [Study(SPEC, SPACE, {"num_tokens": n}) for n in (16, 4096, 65536)]
+    tuner.run_study(SPEC, studies[0].bucket, SPACE, fake_time, storage=storage, sampler="local",
+                    n_trials=5)  # fmt: skip
+    first = optuna.load_study(study_name=tuner.study_name(SPEC, studies[0].bucket),
+                              storage=storage).trials  # fmt: skip
+    span = max(t.datetime_complete for t in first) - min(t.datetime_start for t in first)
+    lines = []
+    progress = Progress(studies, storage, Options("sm90", trials=5), 2, lines.append, every_s=0)
+    line = progress.line()
+    assert line.startswith("progress: 1/3 studies done in ")
+    assert f"now {SPEC.name} @ num_tokens=4096" in line
+    # the two studies left, each as long as the finished one of the family, over two GPUs
+    assert f"about {2 * span.total_seconds() / 2 / 60:.1f} min left" in line
+    progress.poll()
+    assert len(lines) == 1 and lines[0].startswith("progress: 1/3")
+
+
 def _result(meta, t=5.0):
     return tuner.StudyResult(SPEC.name, "num_tokens=65536", meta, t, 2 * t, 10, 1)
 

@@ -15,6 +15,7 @@ from kvgen.cli._common import (
     opt,
 )
 from kvgen.cli.output import err
+from kvgen.tune import MIN_GAIN, PATIENCE, SAMPLER, SAMPLERS
 
 
 def _ints(text: str | None) -> set[int] | None:
@@ -27,7 +28,13 @@ def tune_cmd(
     arch: Annotated[str, opt("Arch to tune for; must be this GPU's.")] = "sm90",
     trials: Annotated[int, opt("Trials per (variant, bucket) study.")] = 40,
     timeout: Annotated[float | None, opt("Wall-clock budget in seconds.")] = None,
-    sampler: Annotated[str, opt("tpe, grid or random.")] = "tpe",
+    sampler: Annotated[
+        str,
+        opt(
+            "local (best-first local search from the default and tuned configs), tpe, grid "
+            "or random."
+        ),  # fmt: skip
+    ] = SAMPLER,
     storage: Annotated[
         str | None,
         opt(
@@ -66,6 +73,17 @@ def tune_cmd(
             min=0,
         ),
     ] = 3,
+    patience: Annotated[
+        int,
+        opt(
+            "End a study once this many trials in a row each gained less than --min-gain on "
+            "its best (0: run every trial; a grid always runs whole).",
+            min=0,
+        ),
+    ] = PATIENCE,
+    min_gain: Annotated[
+        float, opt("The relative gain that counts for --patience.", "--min-gain", min=0.0)
+    ] = MIN_GAIN,
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
@@ -75,13 +93,16 @@ def tune_cmd(
     several GPUs (or several hosts sharing a --storage postgresql://... database, each running
     this command), the trials of every study are spread over all workers. Before writing, the
     best few configs of each study and the default are timed again in alternated rounds
-    (--confirm), so that one lucky timing does not pick the config.
+    (--confirm), so that one lucky timing does not pick the config. A study starts from the
+    template's default, the config the tuned JSON holds, and the best configs of its nearest
+    already-tuned buckets, and ends early once more trials stop paying (--patience).
     """
     import torch
 
     from kvgen.codegen.spec import ARCHS
 
     arch = choice(arch, ARCHS, "arch", "--arch")
+    sampler = choice(sampler, SAMPLERS, "sampler", "--sampler")
     try:
         import optuna  # noqa: F401
     except ImportError:
@@ -93,7 +114,9 @@ def tune_cmd(
 
     if local_target()[0] != arch and not force:
         raise fail(f"this GPU is {local_target()[0]}, not {arch}; pass --force to tune anyway")
-    opts = tune_run.Options(arch, storage, sampler, trials, timeout, jobs, confirm, out)
+    opts = tune_run.Options(
+        arch, storage, sampler, trials, timeout, jobs, confirm, out, patience, min_gain
+    )
     try:
         tune_run.start(
             names,

@@ -60,6 +60,7 @@ class Plan:
     n_trials: int
     seed: int = 0
     deadline: float | None = None  # time.time() after which no trial starts
+    stop: Any = None  # a tuner.StopRule (None: every study runs its whole budget)
     # ``module:function``; KVGEN_TUNE_EVALUATOR replaces the GPU one (the tests' fake timer)
     evaluator: str = dataclasses.field(
         default_factory=lambda: os.environ.get("KVGEN_TUNE_EVALUATOR", GPU_EVALUATOR)
@@ -100,11 +101,13 @@ def run_workers(
     env: dict[str, str] | None = None,
     poll_s: float = 0.2,
     max_restarts: int = MAX_RESTARTS,
+    on_poll: Callable[[], None] | None = None,
 ) -> list[WorkerExit]:
     """Start one worker per device on ``plan`` and wait for all of them. A worker that exits
     with an error has its running trials failed at once; the others are not disturbed. One
     that died of a GPU fault or a crash is replaced by a fresh worker on its device (at most
-    ``max_restarts`` times a device, none after the plan's deadline)."""
+    ``max_restarts`` times a device, none after the plan's deadline). ``on_poll`` is called
+    while they run (a progress display)."""
     from kvgen.tune import tuner
 
     storage = tuner.storage_from(plan.storage, Path(plan.storage))
@@ -174,6 +177,8 @@ def run_workers(
                             start(dev)
                             continue
                     exits[dev] = WorkerExit(dev, p.returncode, failed[dev], deaths[dev])
+                if on_poll is not None:
+                    on_poll()
                 time.sleep(poll_s)
         except KeyboardInterrupt:
             # Ctrl-C: stop every worker, fail what they were running, and let the caller stop.
@@ -255,6 +260,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
 
     factory = evaluator_factory(plan)
     storage = tuner.storage_from(plan.storage, Path(plan.storage))
+    stop = plan.stop or tuner.NO_STOP
     me = worker_id(os.getpid())
     deadline = None
     if plan.deadline is not None:
@@ -273,8 +279,11 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         )
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
-        if tuner.budget_taken(study, limit):
+        if tuner.budget_taken(study, limit, stop):
             continue  # taken by other workers (or a finished earlier run): build no inputs
+        if plan.sampler != "grid":
+            neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
+            tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
         evaluate = _guarded(factory(spec, bucket))
         setup = time.monotonic() - t0
@@ -291,15 +300,17 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
                 deadline=deadline,
                 worker=me,
                 on_trial=lambda s, ran=ran: ran.append(1),
+                stop=stop,
             )
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
-        r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket))
+        r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
         best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
         log(
             f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
             f"({setup:.1f} s building inputs); study best so far {best}"
+            + ("; stopped: no more gain" if r.stopped_early else "")
         )
         del evaluate
         _release_memory()

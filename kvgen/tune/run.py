@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgen.tune import parallel, tuner
+from kvgen.tune import MIN_GAIN, PATIENCE, SAMPLER, parallel, tuner
 from kvgen.tune.plan import Study
 
 
@@ -22,12 +22,21 @@ from kvgen.tune.plan import Study
 class Options:
     arch: str
     storage: str | None = None  # a database URL or a journal file; None: the default journal
-    sampler: str = "tpe"
+    sampler: str = SAMPLER
     trials: int = 40
     timeout: float | None = None  # wall-clock seconds for the whole run
     jobs: int = 0  # compile processes (0: CPU count - 1; 1: no precompilation)
     confirm: int = 3  # re-time each study's best N configs (0: keep the best single trial)
     out: Path | None = None  # tuned_configs folder (None: the package's)
+    patience: int = PATIENCE  # end a study after this many trials without a gain (0: never)
+    min_gain: float = MIN_GAIN
+
+    @property
+    def stop(self) -> tuner.StopRule:
+        """The studies' stop rule (a grid runs whole)."""
+        if self.sampler == "grid":
+            return tuner.NO_STOP
+        return tuner.StopRule(self.patience, self.min_gain)
 
 
 def default_storage(arch: str) -> Path:
@@ -42,7 +51,8 @@ def describe(r: tuner.StudyResult, label: str) -> str:
     return (
         f"  {label}: best {r.time_us and round(r.time_us, 2)} us {r.meta} "
         f"(default {r.default_time_us and round(r.default_time_us, 2)} us"
-        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials, {r.failed} failed"
+        f"{f', x{speedup:.2f}' if speedup else ''}; {r.trials} trials"
+        f"{' (stopped: no more gain)' if r.stopped_early else ''}, {r.failed} failed"
         f"{f', {r.skipped} skipped by constraints' if r.skipped else ''}"
         f"{f'; medians of {r.confirm_rounds} re-timings' if r.confirm_rounds else ''})"
     )
@@ -88,9 +98,16 @@ def run(
     store = tuner.storage_from(opts.storage, Path(storage_path))
     start = time.monotonic()
     deadline = None if opts.timeout is None else start + opts.timeout
+    stop = opts.stop
     log(
-        f"tuning {len(studies)} studies, {opts.trials} trials each, sampler {opts.sampler}, "
-        f"on {len(devices)} GPU(s)"
+        f"tuning {len(studies)} studies, {opts.trials} trials each"
+        + (
+            f" at most (a study ends after {stop.patience} trials in a row without a "
+            f"{stop.min_gain:.0%} gain)"
+            if stop.patience
+            else ""
+        )
+        + f", sampler {opts.sampler}, on {len(devices)} GPU(s)"
     )
     compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
     if compile_jobs > 1:  # the Triton cache on disk is shared by the workers of this host
@@ -105,9 +122,11 @@ def run(
         sampler=opts.sampler,
         n_trials=opts.trials,
         deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
+        stop=stop,
     )
     t0 = time.monotonic()
-    exits = parallel.run_workers(plan, devices, log=log)
+    progress = Progress(studies, store, opts, len(devices), log)
+    exits = parallel.run_workers(plan, devices, log=log, on_poll=progress.poll)
     dead = [e for e in exits if e.returncode != 0]
     replaced = sum(len(e.deaths) for e in exits)
     log(
@@ -118,13 +137,14 @@ def run(
     factory = parallel.evaluator_factory(plan)
     results: dict[str, list] = {}
     for i, st in enumerate(studies, 1):
-        r = tuner.load_result(st.spec, st.bucket, store)
+        r = tuner.load_result(st.spec, st.bucket, store, stop)
         if r is None:
             continue
         if r.meta is not None and opts.confirm > 0:
             if deadline is None or time.monotonic() < deadline:
                 evaluate = factory(st.spec, st.bucket)
-                r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm)
+                r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm,
+                                  stop=stop)  # fmt: skip
         log(describe(r, f"[{i}/{len(studies)}] {st.spec.name} @ {tuner.bucket_key(st.bucket)}"))
         results.setdefault(st.spec.family, []).append(r)
     written = []
@@ -138,6 +158,58 @@ def run(
         log(f"wrote {path}")
         written.append(path)
     return written
+
+
+class Progress:
+    """A line every ``every_s`` seconds while the workers run: studies done, the study now
+    being tuned (the first unfinished one: every worker walks the list in order), and the time
+    left, estimated from how long the finished studies of each family took (their trials'
+    timestamps in storage) over the GPUs."""
+
+    def __init__(self, studies, store, opts: Options, gpus: int, log, every_s: float = 20.0):
+        self.studies, self.store, self.gpus, self.log = studies, store, max(1, gpus), log
+        self.stop = opts.stop
+        self.limits = [
+            tuner.budget(st.space, opts.sampler, opts.trials, st.spec, st.bucket) for st in studies
+        ]
+        self.every_s = every_s
+        self.start = time.monotonic()
+        self.last = self.start
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every_s:
+            self.last = now
+            self.log(self.line())
+
+    def line(self) -> str:
+        done, seconds, left = [], {}, []
+        for st, limit in zip(self.studies, self.limits, strict=True):
+            study = tuner.load_study(st.spec, st.bucket, self.store)
+            trials = [] if study is None else tuner.counted(study.get_trials(deepcopy=False))
+            finished = [t for t in trials if t.state in tuner._FINISHED]
+            if len(finished) >= limit or self.stop.met(trials):
+                done.append(st)
+                stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
+                if stamps:
+                    span = max(t.datetime_complete for t in stamps) - min(
+                        t.datetime_start for t in stamps
+                    )
+                    seconds.setdefault(st.spec.family, []).append(span.total_seconds())
+            else:
+                left.append((st, len(finished) / max(1, limit)))
+        elapsed = time.monotonic() - self.start
+        text = f"progress: {len(done)}/{len(self.studies)} studies done in {elapsed / 60:.1f} min"
+        if left:
+            st = left[0][0]
+            text += f"; now {st.spec.name} @ {tuner.bucket_key(st.bucket)}"
+        every = [s for ss in seconds.values() for s in ss]
+        if left and every:
+            mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
+            overall = sum(every) / len(every)
+            eta = sum(mean.get(st.spec.family, overall) * (1 - frac) for st, frac in left)
+            text += f"; about {eta / self.gpus / 60:.1f} min left"
+        return text
 
 
 def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
@@ -156,10 +228,10 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
             log("compiling ahead stopped: half of the wall-clock budget is spent")
             break
         spec, space = mine[0].spec, mine[0].space
-        if any(
-            tuner.finished_trials(spec, st.bucket, store)
-            < tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket)
-            for st in mine
+        limits = [tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket) for st in mine]
+        if not all(
+            tuner.study_done(spec, st.bucket, store, limit, opts.stop)
+            for st, limit in zip(mine, limits, strict=True)
         ):
             # Triton specialises integer arguments (== 1, multiples of 16): compile with a
             # middle bucket, which shares its binaries with most of the others.

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -33,6 +34,7 @@ import optuna
 
 from kvgen import configs
 from kvgen.space import Space, bucket_key
+from kvgen.tune import SAMPLERS
 
 Evaluate = Callable[[dict[str, Any]], float]  # meta -> time in us; raises TrialFailed
 
@@ -52,6 +54,7 @@ class StudyResult:
     failed: int  # compile errors, wrong results, crashes (not the skipped points)
     skipped: int = 0  # points that break a constraint: failed at once, never compiled or timed
     confirm_rounds: int = 0  # >0: time_us / default_time_us are medians of this many re-timings
+    stopped_early: bool = False  # ended by its StopRule before its budget
 
 
 # Heartbeats let the workers of several hosts sharing a database fail the running trial of a
@@ -95,8 +98,9 @@ _TPE_STARTUP = 8
 def make_sampler(
     kind: str, space: Space, spec, seed: int = 0, bucket: dict[str, int] | None = None
 ):
-    """The sampler of ``spec``'s study at ``bucket``. ``tpe`` proposes only points that break no
-    constraint (static, or of the bucket) and that the study has not tried yet (see
+    """The sampler of ``spec``'s study at ``bucket``. ``local`` (best-first local search, see
+    ``NeighbourhoodSampler``) and ``tpe`` propose only points that break no constraint
+    (static, or of the bucket) and that the study has not tried yet (see
     ``FreshPointSampler``)."""
     if kind == "grid":
         # Optuna's grid sampler gives trial number k the k-th point of a seeded shuffle of the
@@ -109,9 +113,119 @@ def make_sampler(
             multivariate=True, seed=seed, constant_liar=True, n_startup_trials=_TPE_STARTUP
         )
         return FreshPointSampler(tpe, space, space.feasible(spec, bucket), seed)
+    if kind == "local":
+        return NeighbourhoodSampler(space, space.feasible(spec, bucket), seed)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    raise ValueError(f"unknown sampler {kind!r}; expected tpe, grid or random")
+    raise ValueError(f"unknown sampler {kind!r}; expected {', '.join(SAMPLERS)}")
+
+
+class NeighbourhoodSampler(optuna.samplers.BaseSampler):
+    """Best-first local search over a finite space whose parameters' values are ordered.
+
+    A point's neighbours differ from it in one parameter, by one step along that parameter's
+    values (warps 4 -> 2 or 8); where such a step is infeasible or failed, the points one more
+    step away along another parameter stand in for it (``repairs``). Each trial takes an
+    untried neighbour of the best timed point (a stand-in once the neighbours are all tried);
+    once all of those were tried, of the second best, and so on; a random untried feasible
+    point where no timed point has any (the start when the enqueued ones all failed). The
+    study's first trials (the default, the tuned JSON's config, the neighbouring buckets'
+    best: see ``open_study`` and ``warm_start``) are where it starts.
+
+    Kernel timings over such spaces are mostly unimodal along each parameter, with a few
+    local optima that a best-first walk leaves by the stand-in steps and by expanding the
+    next best points:
+    ``benchmarks/compare_samplers.py`` compares it with TPE on grids timed on the H200. The
+    choice among a point's untried neighbours goes by the trial number, so workers sampling
+    at once take different ones; the points other workers are running count as tried, and a
+    point two workers took at once runs in the lower-numbered trial only (the other is
+    surplus), unless both sampled before either stored it.
+    """
+
+    def __init__(self, space: Space, feasible: list[dict[str, Any]], seed: int = 0):
+        self._values = {k: list(v) for k, v in space.params.items()}
+        self._dists = {
+            k: optuna.distributions.CategoricalDistribution(list(v))
+            for k, v in space.params.items()
+        }
+        self._feasible = {_point_key(p): p for p in feasible}
+        self._seed = seed
+
+    def _steps(self, point: dict[str, Any], skip: str | None = None) -> list[dict[str, Any]]:
+        """Every point (feasible or not) one step from ``point`` along one parameter."""
+        out = []
+        for k, values in self._values.items():
+            if k == skip:
+                continue
+            i = values.index(point[k])
+            for j in (i - 1, i + 1):
+                if 0 <= j < len(values):
+                    out.append({**point, k: values[j]})
+        return out
+
+    def neighbours(self, point: dict[str, Any]) -> list[dict[str, Any]]:
+        """The feasible points one step from ``point`` along one parameter."""
+        return [q for q in self._steps(point) if _point_key(q) in self._feasible]
+
+    def repairs(self, point: dict[str, Any], dead: set[str]) -> list[dict[str, Any]]:
+        """For each step from ``point`` that is infeasible or in ``dead`` (failed), the feasible
+        points one more step away along another parameter (64 rows a program may need 8 warps
+        where 4 can go no further)."""
+        out = []
+        for q in self._steps(point):
+            if _point_key(q) in self._feasible and _point_key(q) not in dead:
+                continue
+            moved = next(k for k in self._values if q[k] != point[k])
+            out += [r for r in self._steps(q, skip=moved) if _point_key(r) in self._feasible]
+        return out
+
+    def infer_relative_search_space(self, study, trial):
+        return dict(self._dists)
+
+    def sample_relative(self, study, trial, search_space):
+        if not search_space:
+            return {}
+        import random
+
+        rng = random.Random(self._seed * 1_000_003 + trial.number)
+        trials = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number]
+        tried = set()
+        for t in trials:
+            p = t.params or t.system_attrs.get("fixed_params") or {}
+            if p:
+                tried.add(_point_key(p))
+        fresh = [p for k, p in self._feasible.items() if k not in tried]
+        if not fresh:
+            return {}  # every feasible point tried: the study's budget ends it
+        timed = sorted(
+            (t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.params),
+            key=lambda t: (t.value, t.number),
+        )
+        dead = {
+            _point_key(t.params)
+            for t in trials
+            if t.state == optuna.trial.TrialState.FAIL and t.params
+        }
+        for t in timed:
+            if set(t.params) != set(self._values):
+                continue
+            for moves in (self.neighbours(t.params), self.repairs(t.params, dead)):
+                untried = sorted({_point_key(q) for q in moves} - tried)
+                if untried:
+                    # Workers that sample at once see the same trials; consecutive trial
+                    # numbers then take different points.
+                    return json.loads(untried[(trial.number + self._seed) % len(untried)])
+        return dict(rng.choice(fresh))
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        import random
+
+        rng = random.Random(self._seed * 1_000_003 + trial.number)
+        return rng.choice(list(param_distribution.choices))
+
+
+def _point_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
 
 
 class FreshPointSampler(optuna.samplers.BaseSampler):
@@ -233,27 +347,66 @@ def budget(
     space: Space, sampler: str, n_trials: int, spec=None, bucket: dict[str, int] | None = None
 ) -> int:
     """Trials a study runs in all: ``n_trials``, or the whole grid if that is smaller; for TPE
-    at most the points worth timing at the bucket (``spec`` and ``bucket`` given), as it never
-    repeats one."""
+    and the local search at most the points worth timing at the bucket (``spec`` and
+    ``bucket`` given), as they never repeat one."""
     if sampler == "grid":
         return min(n_trials, len(space.points()))
-    if sampler == "tpe" and spec is not None and bucket is not None:
+    if sampler in ("tpe", "local") and spec is not None and bucket is not None:
         return min(n_trials, max(1, len(space.feasible(spec, bucket))))
     return n_trials
 
 
-def budget_taken(study: optuna.Study, limit: int) -> bool:
+@dataclasses.dataclass(frozen=True)
+class StopRule:
+    """When a study ends before its budget: once ``patience`` finished trials in a row (in
+    trial-number order) have each failed to beat the best time before them by ``min_gain``
+    (relative). A failed trial is a trial without a gain; points skipped by a constraint (never
+    compiled or timed) do not count. ``patience`` 0: never (the whole budget runs).
+
+    The rule reads only the stored trials, so every worker of a shared study, and a resumed
+    run, reach the same decision.
+    """
+
+    patience: int = 0
+    min_gain: float = 0.01
+
+    def met(self, trials) -> bool:
+        if self.patience <= 0:
+            return False
+        done = sorted(
+            (t for t in counted(trials) if t.state in _FINISHED and not t.user_attrs.get(_SKIPPED)),
+            key=lambda t: t.number,
+        )
+        best, since = float("inf"), 0
+        for t in done:
+            value = t.value if t.state == optuna.trial.TrialState.COMPLETE else None
+            if value is not None and value < best * (1.0 - self.min_gain):
+                since = 0
+            else:
+                since += 1
+            if value is not None:
+                best = min(best, value)
+        return since >= self.patience
+
+
+NO_STOP = StopRule()
+
+
+def budget_taken(study: optuna.Study, limit: int, stop: StopRule = NO_STOP) -> bool:
     """The budget handed out: ``limit`` trials that count (run, running or waiting; surplus
-    trials, from this run or an earlier one with a smaller budget, do not)."""
-    return len(counted(study.get_trials(deepcopy=False))) >= limit
+    trials, from this run or an earlier one with a smaller budget, do not), or the study ended
+    by ``stop``."""
+    trials = study.get_trials(deepcopy=False)
+    return len(counted(trials)) >= limit or stop.met(trials)
 
 
-def _beyond_budget(study: optuna.Study, number: int, limit: int) -> bool:
+def _beyond_budget(study: optuna.Study, number: int, limit: int, stop: StopRule) -> bool:
     """Trial ``number`` comes after the budget: ``limit`` trials that count were handed out
-    before it. A trial below it not yet marked surplus counts, which errs towards surplus only
-    where that trial is itself past the budget (then so is this one)."""
+    before it, or the trials before it ended the study by ``stop``. A trial below it not yet
+    marked surplus counts, which errs towards surplus only where that trial is itself past the
+    budget (then so is this one)."""
     before = [t for t in study.get_trials(deepcopy=False) if t.number < number]
-    return len(counted(before)) >= limit
+    return len(counted(before)) >= limit or stop.met(before)
 
 
 def load_study(spec, bucket: dict[str, int], storage) -> optuna.Study | None:
@@ -337,9 +490,11 @@ def work_on_study(
     deadline: float | None = None,
     worker: str | None = None,
     on_trial: Callable[[optuna.Study], None] | None = None,
+    stop: StopRule = NO_STOP,
 ) -> None:
-    """Run trials of ``study`` until it holds its budget of trials; any number of processes
-    (on any number of hosts, through one storage) may do this on the same study at once.
+    """Run trials of ``study`` until it holds its budget of trials (or ``stop`` ends it); any
+    number of processes (on any number of hosts, through one storage) may do this on the same
+    study at once.
 
     The storage hands out trial numbers atomically; the first ``budget`` numbers that are not
     surplus are the study's trials, each run by exactly one worker. A worker that asks for a
@@ -352,10 +507,13 @@ def work_on_study(
     def objective(trial: optuna.Trial) -> float:
         if worker is not None:
             trial.set_user_attr("worker", worker)
-        if _beyond_budget(study, trial.number, limit) or _duplicate_default(study, trial):
+        if _beyond_budget(study, trial.number, limit, stop) or _duplicate_default(study, trial):
             trial.set_user_attr(_SURPLUS, True)
             raise TrialFailed("surplus: the study's budget was already taken")
         meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
+        if _taken_point(study, trial.number, meta):
+            trial.set_user_attr(_SURPLUS, True)
+            raise TrialFailed("surplus: a worker sharing the study took the same point first")
         broken = space.violations(spec, meta, bucket)
         if broken:
             trial.set_user_attr(_SKIPPED, True)
@@ -378,13 +536,24 @@ def work_on_study(
     def after(s: optuna.Study, t) -> None:
         if on_trial is not None:
             on_trial(s)
-        if budget_taken(s, limit):
+        if budget_taken(s, limit, stop):
             s.stop()
 
-    if budget_taken(study, limit) or (deadline is not None and time.monotonic() >= deadline):
+    if budget_taken(study, limit, stop) or (deadline is not None and time.monotonic() >= deadline):
         return
     timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
     study.optimize(objective, timeout=timeout, catch=(TrialFailed,), callbacks=[after])
+
+
+def _taken_point(study: optuna.Study, number: int, meta: dict[str, Any]) -> bool:
+    """A trial numbered below ``number`` (not surplus) has the point ``meta``: two workers
+    sharing a study sampled it at once; the lower number runs it."""
+    return any(
+        t.number < number
+        and (t.params or t.system_attrs.get("fixed_params")) == meta
+        and not t.user_attrs.get(_SURPLUS)
+        for t in study.get_trials(deepcopy=False)
+    )
 
 
 def _duplicate_default(study: optuna.Study, trial: optuna.Trial) -> bool:
@@ -412,16 +581,23 @@ def run_study(
     deadline: float | None = None,
     seed: int = 0,
     on_trial: Callable[[StudyResult], None] | None = None,
+    stop: StopRule = NO_STOP,
+    neighbours: list[dict[str, int]] = (),
 ) -> StudyResult:
     """Run (or resume) the study of ``spec`` at ``bucket`` in this process until it has
-    ``n_trials`` trials (the whole grid at most, for ``sampler="grid"``)."""
+    ``n_trials`` trials (the whole grid at most, for ``sampler="grid"``) or ``stop`` ends it;
+    a fresh study first runs the best configs of the ``neighbours`` buckets' studies (see
+    ``warm_start``)."""
     study = open_study(
         spec, bucket, space, storage=storage, sampler=sampler, seed=seed, n_trials=n_trials
     )
     default = spec.default_meta(**bucket)
+    if sampler != "grid":
+        warm_start(study, spec, bucket, space, storage, neighbours,
+                   budget(space, sampler, n_trials, spec, bucket))  # fmt: skip
     hook = None
     if on_trial is not None:
-        hook = lambda s: on_trial(summarize(spec, bucket, s, default))  # noqa: E731
+        hook = lambda s: on_trial(summarize(spec, bucket, s, default, stop))  # noqa: E731
     work_on_study(
         study,
         spec,
@@ -432,8 +608,58 @@ def run_study(
         sampler=sampler,
         deadline=deadline,
         on_trial=hook,
+        stop=stop,
     )
-    return summarize(spec, bucket, study, default)
+    return summarize(spec, bucket, study, default, stop)
+
+
+WARM_START = 2  # configs a fresh study takes from its nearest tuned buckets
+
+
+def bucket_distance(a: dict[str, int], b: dict[str, int]) -> float:
+    """How far apart two buckets of one variant are: the sum of |log2| of their ratios."""
+    return sum(abs(math.log2(max(a[k], 1) / max(b.get(k, a[k]), 1))) for k in a)
+
+
+def warm_start(
+    study: optuna.Study,
+    spec,
+    bucket: dict[str, int],
+    space: Space,
+    storage,
+    neighbours,
+    limit: int,
+    most: int = WARM_START,
+) -> list[dict[str, Any]]:
+    """Enqueue, in a study no trial of which has started, the best configs of the nearest
+    ``neighbours`` (other buckets of the same variant) whose studies have a result, nearest
+    first, ``most`` at most: a bucket's best is usually its neighbour's or close to it. Skipped:
+    configs already in the study, those that break this bucket's constraints, and any past the
+    budget. Returns the configs enqueued."""
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state != optuna.trial.TrialState.WAITING for t in counted(trials)):
+        return []  # started (or resumed): the sampler has the study's own results
+    have = [t.params or t.system_attrs.get("fixed_params") for t in trials]
+    queued = []
+    for other in sorted(neighbours, key=lambda b: bucket_distance(bucket, b)):
+        if len(queued) >= most or len(counted(trials)) + len(queued) >= limit:
+            break
+        if other == bucket:
+            continue
+        result = load_result(spec, other, storage)
+        meta = result.meta if result is not None else None
+        if (
+            meta is None
+            or meta in have
+            or meta in queued
+            or not space.allows(meta)
+            or space.violations(spec, meta, bucket)
+        ):
+            continue
+        study.enqueue_trial(meta, user_attrs={"warm_start": bucket_key(other)},
+                            skip_if_exists=True)  # fmt: skip
+        queued.append(meta)
+    return queued
 
 
 def counted(trials) -> list:
@@ -441,22 +667,32 @@ def counted(trials) -> list:
     return [t for t in trials if not t.user_attrs.get(_SURPLUS)]
 
 
-def finished_trials(spec, bucket: dict[str, int], storage) -> int:
-    """Trials the stored study of ``spec`` at ``bucket`` has finished (0: no study yet)."""
+def study_done(spec, bucket: dict[str, int], storage, limit: int, stop: StopRule = NO_STOP) -> bool:
+    """The stored study of ``spec`` at ``bucket`` has finished ``limit`` trials, or ``stop``
+    ended it (False: no study yet)."""
     study = load_study(spec, bucket, storage)
     if study is None:
-        return 0
-    return len(counted(study.get_trials(deepcopy=False, states=_FINISHED)))
+        return False
+    trials = study.get_trials(deepcopy=False)
+    finished = [t for t in counted(trials) if t.state in _FINISHED]
+    return len(finished) >= limit or stop.met(trials)
 
 
-def load_result(spec, bucket: dict[str, int], storage) -> StudyResult | None:
+def load_result(
+    spec, bucket: dict[str, int], storage, stop: StopRule = NO_STOP
+) -> StudyResult | None:
     """The stored study's result (None: no such study)."""
     study = load_study(spec, bucket, storage)
-    return None if study is None else summarize(spec, bucket, study, spec.default_meta(**bucket))
+    if study is None:
+        return None
+    return summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
 
 
-def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
-    trials = counted(study.get_trials(deepcopy=False))
+def summarize(
+    spec, bucket, study: optuna.Study, default: dict, stop: StopRule = NO_STOP
+) -> StudyResult:
+    every = study.get_trials(deepcopy=False)
+    trials = counted(every)
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
     fails = [t for t in trials if t.state == optuna.trial.TrialState.FAIL]
     skipped = sum(bool(t.user_attrs.get(_SKIPPED)) for t in fails)
@@ -471,6 +707,7 @@ def summarize(spec, bucket, study: optuna.Study, default: dict) -> StudyResult:
         len(trials),
         len(fails) - skipped,
         skipped,
+        stopped_early=stop.met(every),
     )
 
 
@@ -485,6 +722,7 @@ def confirm(
     *,
     top: int = 3,
     rounds: int = 3,
+    stop: StopRule = NO_STOP,
 ) -> StudyResult | None:
     """Re-time the study's ``top`` best distinct configs and the default, ``rounds`` times each
     in alternated order (forward, backward, ...), and return the result with the lowest median.
@@ -499,7 +737,7 @@ def confirm(
     if study is None:
         return None
     default = spec.default_meta(**bucket)
-    result = summarize(spec, bucket, study, default)
+    result = summarize(spec, bucket, study, default, stop)
     if result.meta is None or top <= 0 or rounds <= 0:
         return result
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
