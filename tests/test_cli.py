@@ -258,6 +258,13 @@ def test_unknown_arch_is_the_same_error_everywhere():
         assert "unknown arch 'sm75'" in result.output, args
 
 
+def test_tune_refuses_an_unknown_sampler_before_anything_runs():
+    result = runner.invoke(app, ["tune", "--sampler", "bayes"])
+    assert result.exit_code == 2
+    assert "unknown sampler 'bayes'" in result.output
+    assert "local, tpe, grid, random" in result.output
+
+
 @pytest.mark.parametrize("command", ["tune", "verify", "bench", "show"])
 def test_help_paragraphs_are_wrapped_whole(command):
     # Lines of one paragraph fill the width: a docstring's own line breaks are not kept.

@@ -26,7 +26,7 @@ def _ints(text: str | None) -> set[int] | None:
 def tune_cmd(
     names: NamesArg = None,
     arch: Annotated[str, opt("Arch to tune for; must be this GPU's.")] = "sm90",
-    trials: Annotated[int, opt("Trials per (variant, bucket) study.")] = 40,
+    trials: Annotated[int, opt("Trials per (variant, bucket) study, at most.")] = 40,
     timeout: Annotated[float | None, opt("Wall-clock budget in seconds.")] = None,
     sampler: Annotated[
         str,
