@@ -113,7 +113,11 @@ def evaluator(spec, bucket):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
         if on_gpu:
             _launch_on_gpu(fault=False)
+        t0 = time.perf_counter()
         time.sleep(sleep)
+        seconds["timing"] += time.perf_counter() - t0
         return cost(meta)
 
+    seconds = {"timing": 0.0}  # as the GPU evaluator's: where the wall time went
+    evaluate.seconds = seconds
     return evaluate

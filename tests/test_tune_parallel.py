@@ -148,6 +148,8 @@ def test_workers_share_a_local_search_that_the_stop_rule_ends(tmp_path):
     store, exits, lines = _run(str(tmp_path / "tune.journal"), "local", 19, log, workers=3,
                                stop=stop)  # fmt: skip
     assert all(e.returncode == 0 for e in exits), lines
+    # each worker says where its time went (the evaluator's split) and why a study ended
+    assert any(" s timing)" in line and "stopped: no more gain" in line for line in lines), lines
     evals = _evaluations(log)
     for b in BUCKETS:
         study = _study(store, b)

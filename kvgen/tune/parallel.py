@@ -285,7 +285,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
             tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
-        evaluate = _guarded(factory(spec, bucket))
+        raw = factory(spec, bucket)
+        evaluate = _guarded(raw)
         setup = time.monotonic() - t0
         ran = []
         try:
@@ -307,12 +308,15 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             return EXIT_FAULT
         r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
         best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
+        split = getattr(raw, "seconds", {})
         log(
             f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
-            f"({setup:.1f} s building inputs); study best so far {best}"
+            f"({setup:.1f} s building inputs"
+            + "".join(f", {v:.1f} s {k}" for k, v in split.items())
+            + f"); study best so far {best}"
             + ("; stopped: no more gain" if r.stopped_early else "")
         )
-        del evaluate
+        del evaluate, raw
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:
             log("wall-clock budget spent")

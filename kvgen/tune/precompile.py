@@ -62,12 +62,15 @@ def precompile(
     if progress:
         progress(f"compiling {len(metas)} candidates of {spec.name} in {jobs} processes")
     ctx = multiprocessing.get_context("spawn")
+    t0 = time.monotonic()
     outcome: dict[str, str] = {}
     with ctx.Pool(jobs, initializer=_one_thread) as pool:
         for part in pool.starmap(_worker, [(spec, bucket, c, stop) for c in chunks]):
             outcome.update(part)
     bad = sum(v != "ok" for v in outcome.values())
     if progress:
-        progress(f"  compiled {len(outcome)} ({bad} failed or wrong)")
+        progress(
+            f"  compiled {len(outcome)} ({bad} failed or wrong) in {time.monotonic() - t0:.1f} s"
+        )
     sys.stderr.flush()
     return outcome

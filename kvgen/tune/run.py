@@ -111,7 +111,9 @@ def run(
     )
     compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
     if compile_jobs > 1:  # the Triton cache on disk is shared by the workers of this host
+        t_compile = time.monotonic()
         _precompile(studies, store, opts, compile_jobs, log, deadline)
+        log(f"compiling ahead took {time.monotonic() - t_compile:.1f} s")
     for st in studies:  # before any worker starts: see tuner.open_study
         tuner.open_study(
             st.spec, st.bucket, st.space, storage=store, sampler=opts.sampler, n_trials=opts.trials
