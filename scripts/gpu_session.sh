@@ -2,6 +2,11 @@
 # What a change that touches kernels runs on a GPU machine, written under ${OUT:-gpu-out}/:
 #   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
+#   scripts/gpu_session.sh tune [S] a cold kvgen tune --arch sm90 (every default study) for at
+#                                  most S seconds (default 540), its log and JSON under $out;
+#                                  the studies live in build/tune/sm90.journal, so the same
+#                                  command on the same machine resumes where the last one stopped
+#                                  (a run longer than one call). KVGEN_TUNE_ARGS: more options.
 # KVGEN_COMMIT, when set, is the commit the bench records (a copied checkout's .git may be
 # older than its files). kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
 # lacks, e.g. optuna for the tuner tests, may be put in .whl/ and are installed first).
@@ -31,8 +36,17 @@ case "${1:-tests}" in
       --plot "$out/bench-$day.png" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 | tee "$out/bench-$day.txt" | tail -n 40 || rc=1
     python3 -P -m kvgen show sm90 --plot "$out/tuned-sm90.png" >/dev/null || rc=1
     ;;
+  tune)
+    mkdir -p build/tune
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
+    python3 -P -m kvgen tune --arch sm90 --storage build/tune/sm90.journal --out "$out/tuned" \
+      --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
+      grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
+    echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
+    ;;
   *)
-    echo "usage: $0 tests|bench" >&2
+    echo "usage: $0 tests|bench|tune [seconds]" >&2
     exit 2
     ;;
 esac
