@@ -33,7 +33,7 @@ def tune_cmd(
         opt(
             "local (best-first local search from the default and tuned configs), tpe, grid "
             "or random."
-        ),  # fmt: skip
+        ),
     ] = SAMPLER,
     storage: Annotated[
         str | None,

@@ -188,9 +188,9 @@ class Progress:
         done, seconds, left = [], {}, []
         for st, limit in zip(self.studies, self.limits, strict=True):
             study = tuner.load_study(st.spec, st.bucket, self.store)
-            trials = [] if study is None else tuner.counted(study.get_trials(deepcopy=False))
-            finished = [t for t in trials if t.state in tuner._FINISHED]
-            if len(finished) >= limit or self.stop.met(trials):
+            trials = [] if study is None else study.get_trials(deepcopy=False)
+            finished = tuner.finished(trials)
+            if tuner.done(trials, limit, self.stop):
                 done.append(st)
                 stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
                 if stamps:

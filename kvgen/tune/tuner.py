@@ -189,11 +189,7 @@ class NeighbourhoodSampler(optuna.samplers.BaseSampler):
 
         rng = random.Random(self._seed * 1_000_003 + trial.number)
         trials = [t for t in study.get_trials(deepcopy=False) if t.number != trial.number]
-        tried = set()
-        for t in trials:
-            p = t.params or t.system_attrs.get("fixed_params") or {}
-            if p:
-                tried.add(_point_key(p))
+        tried = _tried(trials, trial.number)
         fresh = [p for k, p in self._feasible.items() if k not in tried]
         if not fresh:
             return {}  # every feasible point tried: the study's budget ends it
@@ -228,6 +224,17 @@ def _point_key(params: dict[str, Any]) -> str:
     return json.dumps(params, sort_keys=True)
 
 
+def _tried(trials, number: int) -> set[str]:
+    """The points (``_point_key``) the trials other than ``number`` hold: run, running, or
+    enqueued and waiting."""
+    out = set()
+    for t in trials:
+        p = t.params or t.system_attrs.get("fixed_params")
+        if t.number != number and p:
+            out.add(_point_key(p))
+    return out
+
+
 class FreshPointSampler(optuna.samplers.BaseSampler):
     """TPE restricted to new, feasible points of a finite space.
 
@@ -258,32 +265,22 @@ class FreshPointSampler(optuna.samplers.BaseSampler):
         self._tries = tries
         self._n_startup = n_startup_trials
 
-    @staticmethod
-    def _key(params: dict[str, Any]) -> str:
-        return json.dumps(params, sort_keys=True)
-
     def infer_relative_search_space(self, study, trial):
         return dict(self._space)
 
     def sample_relative(self, study, trial, search_space):
         if not search_space:
             return {}
-        tried = set()
-        for t in study.get_trials(deepcopy=False):
-            if t.number == trial.number:
-                continue
-            p = t.params or t.system_attrs.get("fixed_params") or {}
-            if p:
-                tried.add(self._key(p))
-        fresh = [p for p in self._feasible if self._key(p) not in tried]
+        tried = _tried(study.get_trials(deepcopy=False), trial.number)
+        fresh = [p for p in self._feasible if _point_key(p) not in tried]
         if not fresh:
             return self._base.sample_relative(study, trial, search_space)
         complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         if len(complete) >= self._n_startup:
-            fresh_keys = {self._key(f) for f in fresh}
+            fresh_keys = {_point_key(f) for f in fresh}
             for _ in range(self._tries):
                 p = self._base.sample_relative(study, trial, search_space)
-                if p and self._key(p) in fresh_keys:
+                if p and _point_key(p) in fresh_keys:
                     return p
         import random
 
@@ -374,7 +371,7 @@ class StopRule:
         if self.patience <= 0:
             return False
         done = sorted(
-            (t for t in counted(trials) if t.state in _FINISHED and not t.user_attrs.get(_SKIPPED)),
+            (t for t in finished(trials) if not t.user_attrs.get(_SKIPPED)),
             key=lambda t: t.number,
         )
         best, since = float("inf"), 0
@@ -507,7 +504,7 @@ def work_on_study(
     def objective(trial: optuna.Trial) -> float:
         if worker is not None:
             trial.set_user_attr("worker", worker)
-        if _beyond_budget(study, trial.number, limit, stop) or _duplicate_default(study, trial):
+        if _beyond_budget(study, trial.number, limit, stop):
             trial.set_user_attr(_SURPLUS, True)
             raise TrialFailed("surplus: the study's budget was already taken")
         meta = {k: trial.suggest_categorical(k, list(v)) for k, v in space.params.items()}
@@ -547,25 +544,13 @@ def work_on_study(
 
 def _taken_point(study: optuna.Study, number: int, meta: dict[str, Any]) -> bool:
     """A trial numbered below ``number`` (not surplus) has the point ``meta``: two workers
-    sharing a study sampled it at once; the lower number runs it."""
+    sharing a study sampled it at once, or two hosts that started a run at once both enqueued
+    the default; the lower number runs it."""
     return any(
         t.number < number
         and (t.params or t.system_attrs.get("fixed_params")) == meta
         and not t.user_attrs.get(_SURPLUS)
         for t in study.get_trials(deepcopy=False)
-    )
-
-
-def _duplicate_default(study: optuna.Study, trial: optuna.Trial) -> bool:
-    """Two hosts that start a run at once may both enqueue the default: run it once."""
-    trials = study.get_trials(deepcopy=False)
-    fixed = next(
-        (t.system_attrs.get("fixed_params") for t in trials if t.number == trial.number), None
-    )
-    if fixed is None:
-        return False
-    return any(
-        t.number < trial.number and t.system_attrs.get("fixed_params") == fixed for t in trials
     )
 
 
@@ -667,15 +652,20 @@ def counted(trials) -> list:
     return [t for t in trials if not t.user_attrs.get(_SURPLUS)]
 
 
+def finished(trials) -> list:
+    """The trials that count and have finished."""
+    return [t for t in counted(trials) if t.state in _FINISHED]
+
+
+def done(trials, limit: int, stop: StopRule = NO_STOP) -> bool:
+    """A study of these trials has finished ``limit`` of them, or ``stop`` ended it."""
+    return len(finished(trials)) >= limit or stop.met(trials)
+
+
 def study_done(spec, bucket: dict[str, int], storage, limit: int, stop: StopRule = NO_STOP) -> bool:
-    """The stored study of ``spec`` at ``bucket`` has finished ``limit`` trials, or ``stop``
-    ended it (False: no study yet)."""
+    """The stored study of ``spec`` at ``bucket`` is ``done`` (False: no study yet)."""
     study = load_study(spec, bucket, storage)
-    if study is None:
-        return False
-    trials = study.get_trials(deepcopy=False)
-    finished = [t for t in counted(trials) if t.state in _FINISHED]
-    return len(finished) >= limit or stop.met(trials)
+    return study is not None and done(study.get_trials(deepcopy=False), limit, stop)
 
 
 def load_result(
