@@ -30,7 +30,7 @@ def test_row_align_is_16_for_caches_of_their_own_and_less_for_vllm_rows(kv, d, i
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])
-def test_the_store_looks_its_config_up_by_the_caches_row_align(kv, monkeypatch):
+def test_the_store_looks_its_config_up_by_the_caches_row_align(kv, device, monkeypatch):
     seen = []
     real = runtime.meta_params
 
@@ -46,9 +46,9 @@ def test_the_store_looks_its_config_up_by_the_caches_row_align(kv, monkeypatch):
         else triton_reshape_and_cache_flash_per_token_head_quant
     )
     for layout, want in (("inline", 8 if kv == "int4" else 4), ("nhd", 16)):
-        caches = alloc_caches(kv, group, (2, 16, 2), 128, 128, torch.bfloat16, "cpu", layout)
-        key, value = torch.randn(5, 2, 128).bfloat16(), torch.randn(5, 2, 128).bfloat16()
-        store(key, value, *caches, torch.arange(5))
+        caches = alloc_caches(kv, group, (2, 16, 2), 128, 128, torch.bfloat16, device, layout)
+        key, value = (torch.randn(5, 2, 128, device=device).bfloat16() for _ in range(2))
+        store(key, value, *caches, torch.arange(5, device=device))
         assert seen[-1] == {"num_tokens": 5, "num_heads": 2, "row_align": want}
 
 
@@ -63,28 +63,29 @@ def test_an_untuned_row_align_takes_the_nearest_tuned_bucket():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8e5m2", "int4"])
-def test_the_bench_stores_into_vllm_rows_and_checks_every_byte(fmt):
-    case = next(kv_cases("cpu", (7,), fmt, 2, 128, layout="inline"))
+def test_the_bench_stores_into_vllm_rows_and_checks_every_byte(fmt, device):
+    case = next(kv_cases(device, (7,), fmt, 2, 128, layout="inline"))
     assert case.variant.endswith("-inline")
     k, v, kc, vc, ks, vs, slots = case.data[0]
     assert kc.storage_offset() == 0 and ks.untyped_storage().data_ptr() == kc.data_ptr()
     assert row_align(kc, vc) < 16
     assert case.check()
     with pytest.raises(ValueError, match="layout must be one of"):
-        next(kv_cases("cpu", (7,), fmt, 2, 128, layout="hnd"))
+        next(kv_cases(device, (7,), fmt, 2, 128, layout="hnd"))
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        StoreKVPerTokenHeadSpec("fp8e4m3", 128, 128, "bf16", "sm90", "interp"),
-        StoreKVInt4Spec(32, 128, 128, "bf16", "sm90", "interp"),
-    ],
-    ids=lambda s: s.name,
-)
+@pytest.mark.parametrize("family", ["store_kv_per_token_head", "store_kv_int4_per_token_head"])
 @pytest.mark.parametrize("align", [4, 16])
-def test_a_tuning_trial_of_a_row_align_bucket_stores_into_that_layout(spec, align, monkeypatch):
+def test_a_tuning_trial_of_a_row_align_bucket_stores_into_that_layout(
+    family, align, device, local_target, monkeypatch
+):
     import kvgen.bench.store as store
+
+    arch, target = local_target
+    if family == "store_kv_int4_per_token_head":
+        spec = StoreKVInt4Spec(32, 128, 128, "bf16", arch, target)
+    else:
+        spec = StoreKVPerTokenHeadSpec("fp8e4m3", 128, 128, "bf16", arch, target)
 
     layouts = []
     real = store.kv_cases
@@ -95,7 +96,7 @@ def test_a_tuning_trial_of_a_row_align_bucket_stores_into_that_layout(spec, alig
 
     monkeypatch.setattr(store, "kv_cases", spy)
     bucket = {"num_tokens": 9, "num_heads": 2, "row_align": align}
-    run, check, n_sets = store_problem(spec, bucket, "cpu")
+    run, check, n_sets = store_problem(spec, bucket, device)
     assert layouts == ["inline" if align < 16 else "separate"]
     meta = spec.default_meta(num_tokens=9, num_heads=2)
     run(0, meta)
