@@ -132,7 +132,7 @@ def quantized_decodes() -> None:
             deq = dequantized(fmt, cache, k_scale)
             want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits, causal=True)
             rel = float((out.float() - want.float()).norm() / want.float().norm())
-            check(f"flash_mla_with_kvcache {fmt} h_q={h_q}", rel < 2e-3)
+            check(f"flash_mla_with_kvcache {fmt} h_q={h_q} (rel. error {rel:.2e})", rel < 2e-3)
             bad = table.clone()
             bad[0, 1] = -1  # a negative page
             bad[3, 0] = blocks  # one past the last page
@@ -146,7 +146,7 @@ def quantized_decodes() -> None:
                 mp |= {"k_scale": k_scale} if fmt == "fp8" else {}
                 out, _ = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
                 rel = float((out.float() - want.float()).norm() / want.float().norm())
-                check(f"{spec.name} h_q={h_q} {mp}", rel < 2e-3)
+                check(f"{spec.name} h_q={h_q} {mp} (rel. error {rel:.2e})", rel < 2e-3)
 
 
 def quantized_variants(fmt: str):

@@ -12,6 +12,7 @@
 # Each (tool, section) pair is its own process, KVGEN_SANITIZER_JOBS (default 8) at a time,
 # racecheck's first (the slowest); the report lists them by tool, then section.
 set -uo pipefail
+export PYTHONUNBUFFERED=1  # a run stopped by KVGEN_SANITIZER_TIMEOUT keeps the lines it printed
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check.txt}
 shift || true
