@@ -18,7 +18,12 @@ L2_ROTATE_BYTES = 512 << 20  # rotate buffers until a pass touches this much (> 
 
 
 def sets_for(bytes_per_set: int, most: int = 64) -> int:
-    """How many buffer sets to rotate so that one pass over them spills the L2."""
+    """How many buffer sets to rotate so that one pass over them spills the L2 (two under
+    Triton's interpreter, which has no cache to spill and fills each set slowly)."""
+    from kvgen.runtime import interpreter_enabled
+
+    if interpreter_enabled():
+        return 2
     return max(2, min(most, cdiv(L2_ROTATE_BYTES, max(1, bytes_per_set))))
 
 
