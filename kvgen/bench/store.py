@@ -281,20 +281,44 @@ def kv_cases(
         yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check, sets)
 
 
-def kv_store_matches_reference(store, data: tuple) -> bool:
-    """Store fresh random K / V through ``store(k, v, kc, vc, ks, vs, slots)`` into the caches
-    of ``data`` (a bench set) and compare every byte of the four caches with the reference's.
-    At most 4096 tokens (a prefix of the set's): the reference runs on the CPU."""
+def poison(*tensors: torch.Tensor) -> None:
+    """Set every byte of each tensor (any view: strided, or a view of another's bytes) to 0xFF,
+    so that a check after it cannot pass on what an earlier launch left there."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for t in tensors:
+        t.view(ints[t.element_size()]).fill_(-1)
+
+
+def kv_store_checker(data: tuple) -> Callable[[Callable], bool]:
+    """``check(store) -> bool`` over the caches of ``data`` (a bench set): the caches poisoned
+    (0xFF), then ``store(k, v, kc, vc, ks, vs, slots)`` of random K / V, and every byte of the
+    four caches compared with the reference's. The inputs (a prefix of at most 4096 of the set's
+    tokens: the reference runs on the CPU) and the reference's bytes are made once, at the
+    first check, so that a tuner checking many candidates pays for the reference once."""
     from kvgen.formats import per_token_head as ref
 
     k, v, kc, vc, ks, vs, slots = data
     n = min(k.shape[0], 4096)
     k, v, slots = torch.randn_like(k[:n]), torch.randn_like(v[:n]), slots[:n]
-    store(k, v, kc, vc, ks, vs, slots)
-    want = [x.cpu().clone() for x in (kc, vc, ks, vs)]
-    ref.store(k.cpu(), v.cpu(), *want, slots.cpu())
-    got = [x.cpu() for x in (kc, vc, ks, vs)]
-    return all(
-        torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
-        for g, w in zip(got, want, strict=True)
-    )
+    caches = (kc, vc, ks, vs)
+    want: list[torch.Tensor] = []
+
+    def as_bytes(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(torch.uint8)
+
+    def check(store) -> bool:
+        poison(*caches)
+        if not want:
+            expect = [x.cpu().clone() for x in caches]
+            ref.store(k.cpu(), v.cpu(), *expect, slots.cpu())
+            want.extend(as_bytes(x).to(kc.device) for x in expect)
+        store(k, v, *caches, slots)
+        return all(torch.equal(as_bytes(g), w) for g, w in zip(caches, want, strict=True))
+
+    return check
+
+
+def kv_store_matches_reference(store, data: tuple) -> bool:
+    """One check of ``kv_store_checker``: ``store`` into the caches of ``data`` compared byte
+    for byte with the reference's."""
+    return kv_store_checker(data)(store)

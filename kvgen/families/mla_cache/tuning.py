@@ -3,6 +3,8 @@ candidate's meta-parameters, checked byte for byte against the reference."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvgen import _dtypes
@@ -10,7 +12,7 @@ from kvgen.codegen import load
 
 
 def store_problem(spec, bucket, device):
-    from kvgen.bench.store import mla_cache_cases
+    from kvgen.bench.store import mla_cache_cases, poison
     from kvgen.formats import mla_cache
 
     dtype = _dtypes.TORCH[spec.in_dtype]
@@ -25,14 +27,21 @@ def store_problem(spec, bucket, device):
         kv, pe, cache, slots = case.data[i]
         launch(kv, pe, as_launched(cache), slots, scale, **meta)
 
-    def check(meta):
-        kv, pe, cache, slots = case.data[0]
-        kv, pe = torch.randn_like(kv), torch.randn_like(pe)
-        cache.zero_()
-        launch(kv, pe, as_launched(cache), slots, scale, **meta)
-        want = torch.zeros_like(cache, device="cpu")
+    kv0, pe0, cache, slots = case.data[0]
+    kv, pe = torch.randn_like(kv0), torch.randn_like(pe0)  # not the timed sets' data
+
+    def reference():
+        want = torch.empty_like(cache, device="cpu")
+        poison(want)
         mla_cache.store(kv.cpu(), pe.cpu(), want, slots.cpu(), spec.fmt, scale.cpu())
-        return torch.equal(cache.cpu(), want)
+        return want.to(device)
+
+    want = functools.cache(reference)
+
+    def check(meta):
+        poison(cache)
+        launch(kv, pe, as_launched(cache), slots, scale, **meta)
+        return torch.equal(cache.view(torch.uint8), want().view(torch.uint8))
 
     return run, check, case.n_sets
 
@@ -58,11 +67,14 @@ def gather_problem(spec, bucket, device):
     def run(i, meta):
         launch(*sets[i], **meta)
 
+    cache, slots, _, out = sets[0]
+    # the reference's rows, made once for every candidate (the cache is only read)
+    want = functools.cache(lambda: reference_rows(spec.fmt, cache, slots, scale).to(device))
+
     def check(meta):
-        cache, slots, _, out = sets[0]
         out.fill_(float("nan"))
         launch(*sets[0], **meta)
-        want = reference_rows(spec.fmt, cache, slots, scale).to(dtype)
-        return bool(((out.cpu() == want) | (out.cpu().isnan() & want.isnan())).all())
+        w = want().to(dtype)
+        return bool(((out == w) | (out.isnan() & w.isnan())).all())
 
     return run, check, case.n_sets

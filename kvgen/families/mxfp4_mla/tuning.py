@@ -3,6 +3,8 @@ with the candidate's meta-parameters, checked byte for byte against the referenc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvgen import _dtypes
@@ -34,14 +36,20 @@ def store_problem(spec, bucket, device):
     # the bench's rotated (latents, slots, cache) sets
     args = [_paged((x, slots, cache), cache) for x, slots, cache in case.data]
 
-    def check(meta):
-        x, slots, cache = case.data[0]
-        x = torch.randn_like(x)
-        cache.fill_(0xFF)
-        launch(*_paged((x, slots, cache), cache), **meta)
+    x0, slots, cache = case.data[0]
+    x = torch.randn_like(x0)  # not the timed sets' data
+
+    def reference():
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
         mxfp4.store(x.cpu(), slots.cpu(), want, spec.group)
-        return torch.equal(cache.cpu(), want)
+        return want.to(cache.device)
+
+    want = functools.cache(reference)
+
+    def check(meta):
+        cache.fill_(0xFF)
+        launch(*_paged((x, slots, cache), cache), **meta)
+        return torch.equal(cache, want())
 
     return _runner(launch, args), check, case.n_sets
 
@@ -60,12 +68,15 @@ def gather_problem(spec, bucket, device):
     ]
     launch = load(spec).launch
 
+    cache, slots, out = args[0][:3]
+    want = functools.cache(
+        lambda: mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype).to(device)
+    )
+
     def check(meta):
-        cache, slots, out = args[0][:3]
         out.fill_(float("nan"))
         launch(*args[0], **meta)
-        want = mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype)
-        return torch.equal(out.cpu(), want)
+        return torch.equal(out, want())
 
     return _runner(launch, args), check, case.n_sets
 
@@ -97,15 +108,21 @@ def store_rope_problem(spec, bucket, device):
     launch = load(spec).launch
     args = [_paged(d, d[-1]) for d in data]
 
-    def check(meta):
-        _, _, slots, cache = data[0]
-        x = torch.randn(t, spec.latent, device=device).to(dtype)  # fresh data
-        pe = torch.randn(t, spec.rope, device=device).to(dtype)
-        cache.fill_(0xFF)
-        launch(*_paged((x, pe, slots, cache), cache), **meta)
+    _, _, slots, cache = data[0]
+    x = torch.randn(t, spec.latent, device=device).to(dtype)  # not the timed sets' data
+    pe = torch.randn(t, spec.rope, device=device).to(dtype)
+
+    def reference():
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
         mla_cache.store_mxfp4_rope(x.cpu(), pe.cpu(), slots.cpu(), want, spec.group)
-        return torch.equal(cache.cpu(), want)
+        return want.to(device)
+
+    want = functools.cache(reference)
+
+    def check(meta):
+        cache.fill_(0xFF)
+        launch(*_paged((x, pe, slots, cache), cache), **meta)
+        return torch.equal(cache, want())
 
     return _runner(launch, args), check, n_sets
 
@@ -135,11 +152,18 @@ def gather_rope_problem(spec, bucket, device):
         args.append(_paged((cache, slots, out), cache))
     launch = load(spec).launch
 
+    cache, slots, out = args[0][:3]
+    want = functools.cache(
+        lambda: (
+            mla_cache.gather_mxfp4_rope(cache, slots, spec.latent, spec.group, spec.rope)
+            .to(dtype)
+            .to(device)
+        )
+    )
+
     def check(meta):
-        cache, slots, out = args[0][:3]
         out.fill_(float("nan"))
         launch(*args[0], **meta)
-        want = mla_cache.gather_mxfp4_rope(cache, slots, spec.latent, spec.group, spec.rope)
-        return torch.equal(out.cpu(), want.to(dtype))
+        return torch.equal(out, want())
 
     return _runner(launch, args), check, n_sets
