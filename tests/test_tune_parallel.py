@@ -436,36 +436,91 @@ def test_tune_command_on_two_gpus_writes_the_json_once(tmp_path, two_fake_gpus):
     evals = _evaluations(tmp_path / "evals.log")
     workers = {pid for pid, _, _ in evals} - {str(os.getpid())}
     assert len(workers) == 2
-    # then this process (the coordinator) re-timed each study's 3 best configs and the default,
-    # 3 rounds each, after every worker's trial
-    mine = [i for i, (pid, _, _) in enumerate(evals) if pid == str(os.getpid())]
-    assert mine == list(range(len(evals) - len(mine), len(evals)))
-    for n in (16, 65536):
-        timed = Counter(
-            p for pid, s, p in evals if pid == str(os.getpid()) and s == f"{SPEC.name}@{n}"
-        )
-        assert set(timed.values()) == {3} and len(timed) in (3, 4)
-        assert json.dumps(SPEC.default_meta(num_tokens=n), sort_keys=True) in timed
+    _assert_retimed_in_a_worker(evals, (16, 65536))
     result = _kvgen(*args[:-1], "3")
     assert result.exit_code == 2 and "2 GPU(s) are visible" in result.output
 
 
+def _assert_retimed_in_a_worker(evals, buckets) -> None:
+    """Each study's 3 best configs within CONFIRM_MARGIN of its best (and the default, were it
+    within) were re-timed 3 times each, by one worker, after every trial of the study (the
+    grid's points each once), and none in this process (the coordinator)."""
+    assert all(pid != str(os.getpid()) for pid, _, _ in evals)
+    for n in buckets:
+        name = f"{SPEC.name}@{n}"
+        mine = [(pid, p) for pid, s, p in evals if s == name]
+        feasible = sorted(SPACE.feasible(SPEC, {"num_tokens": n}), key=fake.cost)
+        trials = len(feasible)  # (the grid's other points break a constraint: never timed)
+        assert len({p for _, p in mine[:trials]}) == trials  # the trials: each point once
+        retimed = mine[trials:]
+        assert len({pid for pid, _ in retimed}) == 1
+        near = [m for m in feasible if fake.cost(m) <= fake.cost(feasible[0]) * 1.10]
+        assert tuner.CONFIRM_MARGIN == 0.10 and len(near) >= 2
+        default = SPEC.default_meta(num_tokens=n)
+        want = near[:3] + ([default] if default in near[3:] else [])
+        timed = Counter(p for _, p in retimed)
+        assert timed == {json.dumps(m, sort_keys=True): 3 for m in want}
+
+
 def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_gpus):
     """One GPU is one worker of the same path: no trial runs in the command's own process (a
-    candidate that broke the GPU context would take the command with it); only the
-    confirmation's re-timings do, after the worker has exited."""
+    candidate that broke the GPU context would take the command with it), and neither does the
+    confirmation's re-timing: the worker does it after each study, with its inputs."""
     args = _tune_args(tmp_path, "16", "1")
     os.environ["KVGEN_FAKE_WORKERS"] = "1"  # (the fixture's monkeypatch restores it)
     result = _kvgen(*args)
     assert result.exit_code == 0, result.output
     assert "on 1 GPU(s)" in result.output and "[gpu fake0]" in result.output
+    assert "re-timed in" in result.output
     evals = _evaluations(tmp_path / "evals.log")
-    workers = {pid for pid, _, _ in evals if pid != str(os.getpid())}
-    assert len(workers) == 1  # every trial in one worker process
-    mine = [i for i, (pid, _, _) in enumerate(evals) if pid == str(os.getpid())]
-    assert mine and mine == list(range(len(evals) - len(mine), len(evals)))  # re-timings last
+    workers = {pid for pid, _, _ in evals}
+    assert len(workers) == 1  # every trial and re-timing in one worker process
+    _assert_retimed_in_a_worker(evals, (16,))
     doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
-    assert doc["entries"][SPEC.name]["num_tokens=16"]["trials"] == len(SPACE.points())
+    entry = doc["entries"][SPEC.name]["num_tokens=16"]
+    assert entry["trials"] == len(SPACE.points()) and entry["confirm_rounds"] == 3
+
+
+def test_a_study_finished_without_a_confirmation_is_confirmed_by_the_command(
+    tmp_path, two_fake_gpus, monkeypatch
+):
+    """A study whose worker did not re-time it (here: a run with --confirm 0; also a worker
+    that died while re-timing, or ran out of time) is re-timed by the command after its
+    workers, which find the study done and build no inputs."""
+    args = _tune_args(tmp_path, "16", "1")
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    assert _kvgen(*args, "--confirm", "0").exit_code == 0
+    log = tmp_path / "evals.log"
+    before = len(_evaluations(log))
+    result = _kvgen(*args)
+    assert result.exit_code == 0, result.output
+    retimed = _evaluations(log)[before:]
+    assert retimed and {pid for pid, _, _ in retimed} == {str(os.getpid())}
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    assert doc["entries"][SPEC.name]["num_tokens=16"]["confirm_rounds"] == 3
+
+
+def test_one_claim_wins_a_study_s_confirmation_and_it_is_kept_until_trials_are_added(tmp_path):
+    """Workers finishing a study at once each claim its re-timing: the lowest-numbered claim
+    wins, claims count as no trial, and the stored confirmation holds until the study gets
+    another trial (a resumed run with a larger budget)."""
+    store = _prepare(str(tmp_path / "t.journal"), "grid", 4)
+    bucket = BUCKETS[0]
+    tuner.run_study(SPEC, bucket, SPACE, fake.cost, storage=store, sampler="tpe", n_trials=4)
+    study = _study(store, bucket)
+    before = tuner.load_result(SPEC, bucket, store)
+    wins = [tuner.claim_confirmation(study, w, "key") for w in ("a", "b", "a")]
+    assert wins == [True, False, True]  # "a" holds the lowest claim
+    assert tuner.claim_confirmation(study, "b", "another run")
+    after = tuner.load_result(SPEC, bucket, store)
+    assert (after.trials, after.failed, after.meta) == (before.trials, before.failed, before.meta)
+    assert tuner.budget_taken(study, 4) and not tuner.budget_taken(study, 5)
+    assert tuner.stored_confirmation(SPEC, bucket, store) is None
+    c = tuner.confirm(SPEC, bucket, store, fake.cost, top=3, record=True)
+    kept = tuner.stored_confirmation(SPEC, bucket, store)
+    assert kept == c and kept.meta == before.meta
+    tuner.run_study(SPEC, bucket, SPACE, fake.cost, storage=store, sampler="tpe", n_trials=5)
+    assert tuner.stored_confirmation(SPEC, bucket, store) is None
 
 
 def test_ctrl_c_stops_the_workers_and_a_rerun_resumes(tmp_path):

@@ -61,6 +61,9 @@ class Plan:
     seed: int = 0
     deadline: float | None = None  # time.time() after which no trial starts
     stop: Any = None  # a tuner.StopRule (None: every study runs its whole budget)
+    # re-time each study's best configs (tuner.confirm's ``top``) in the worker that claims
+    # it, right after its trials, with the inputs that worker built (0: none)
+    confirm: int = 0
     # ``module:function``; KVGEN_TUNE_EVALUATOR replaces the GPU one (the tests' fake timer)
     evaluator: str = dataclasses.field(
         default_factory=lambda: os.environ.get("KVGEN_TUNE_EVALUATOR", GPU_EVALUATOR)
@@ -316,12 +319,49 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             + f"); study best so far {best}"
             + ("; stopped: no more gain" if r.stopped_early else "")
         )
+        try:
+            _confirm_here(plan, spec, bucket, study, storage, evaluate, limit, me, deadline, log)
+        except tuner.WorkerFault as exc:
+            log(f"{label}: GPU fault while re-timing, this worker stops: {exc}")
+            return EXIT_FAULT
         del evaluate, raw
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:
             log("wall-clock budget spent")
             break
     return 0
+
+
+CONFIRM_WAIT_S = 300.0  # longest wait for other workers' last trials of a study
+
+
+def _confirm_here(plan, spec, bucket, study, storage, evaluate, limit, me, deadline, log) -> None:
+    """Re-time the study's best configs in this worker (its inputs are built) when the study
+    has taken its budget and this worker wins the claim (``tuner.claim_confirmation``), once
+    the other workers' last trials of it have finished; the result is stored on the study,
+    where the coordinator reads it. With several GPUs the claims spread the re-timing over
+    them, while the other workers go on with the next studies."""
+    from kvgen.tune import tuner
+
+    stop = plan.stop or tuner.NO_STOP
+    if plan.confirm <= 0 or (deadline is not None and time.monotonic() >= deadline):
+        return
+    if not tuner.budget_taken(study, limit, stop):
+        return
+    if tuner.stored_confirmation(spec, bucket, storage, stop) is not None:
+        return
+    key = f"{limit} trials, patience {stop.patience}, min gain {stop.min_gain}"
+    if not tuner.claim_confirmation(study, me, key):
+        return
+    t0 = time.monotonic()
+    if not tuner.wait_until_finished(study, CONFIRM_WAIT_S):
+        return  # a trial still running elsewhere: the coordinator confirms after the workers
+    r = tuner.confirm(spec, bucket, storage, evaluate, top=plan.confirm, stop=stop, record=True)
+    if r is not None and r.confirm_rounds:
+        log(
+            f"{spec.name} @ {tuner.bucket_key(bucket)}: re-timed in {time.monotonic() - t0:.1f} s,"
+            f" best {r.time_us:.2f} us {r.meta}"
+        )
 
 
 # Errors after which a CUDA context is unusable: every later trial of this process would fail.

@@ -125,6 +125,7 @@ def run(
         n_trials=opts.trials,
         deadline=None if deadline is None else time.time() + (deadline - time.monotonic()),
         stop=stop,
+        confirm=opts.confirm,
     )
     t0 = time.monotonic()
     progress = Progress(studies, store, opts, len(devices), log)
@@ -143,7 +144,12 @@ def run(
         if r is None:
             continue
         if r.meta is not None and opts.confirm > 0:
-            if deadline is None or time.monotonic() < deadline:
+            # re-timed by the worker that finished the study, or (a study finished by an
+            # earlier run, or whose worker died or ran out of time) here
+            done = tuner.stored_confirmation(st.spec, st.bucket, store, stop)
+            if done is not None:
+                r = done
+            elif deadline is None or time.monotonic() < deadline:
                 evaluate = factory(st.spec, st.bucket)
                 r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm,
                                   stop=stop)  # fmt: skip

@@ -702,6 +702,33 @@ def summarize(
 
 
 CONFIRM_ALL = 8  # studies of this many distinct configs or fewer: re-time every one
+# In a larger study only the configs whose trial read within this much of the best are re-timed:
+# a single timing of a microsecond kernel can read up to ~10 % fast after heavy work
+# (docs/performance.md), so configs further apart than that keep their order.
+CONFIRM_MARGIN = 0.10
+
+
+def confirm_candidates(study: optuna.Study, default: dict[str, Any], top: int) -> list[dict]:
+    """The configs ``confirm`` re-times, best trial first: every distinct config of a study of
+    at most ``CONFIRM_ALL`` (a small bucket's few feasible points: one unlucky trial must not
+    hide the best), else the ``top`` best within ``CONFIRM_MARGIN`` of the best trial's time,
+    and the default where it was timed within that margin. Fewer than two: nothing to re-time."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    complete = [t for t in complete if not t.user_attrs.get(_SURPLUS)]
+    configs: list[dict[str, Any]] = []
+    values: list[float] = []
+    for t in sorted(complete, key=lambda t: (t.value, t.number)):
+        if t.params not in configs:
+            configs.append(dict(t.params))
+            values.append(t.value)
+    if len(configs) <= CONFIRM_ALL:
+        return configs
+    limit = values[0] * (1 + CONFIRM_MARGIN)
+    near = [c for c, v in zip(configs, values, strict=True) if v <= limit]
+    out = near[:top]
+    if default not in out and default in near:
+        out.append(dict(default))
+    return out
 
 
 def confirm(
@@ -713,53 +740,120 @@ def confirm(
     top: int = 3,
     rounds: int = 3,
     stop: StopRule = NO_STOP,
+    record: bool = False,
 ) -> StudyResult | None:
-    """Re-time the study's ``top`` best distinct configs and the default, ``rounds`` times each
-    in alternated order (forward, backward, ...), and return the result with the lowest median.
-    A study of at most ``CONFIRM_ALL`` distinct configs (a small bucket's few feasible points)
-    has all of them re-timed: one unlucky trial must not hide the best config either.
+    """Re-time the study's ``confirm_candidates`` ``rounds`` times each in alternated order
+    (forward, backward, ...), and return the result with the lowest median: one lucky timing
+    does not pick the config. ``record``: also store the outcome on the study
+    (``stored_confirmation`` reads it back), which is how a worker hands its re-timings to
+    the process that writes the JSON.
 
     The study's trial values are left as they are. A candidate that fails now (a wrong result,
     a crash) is dropped. None when there is no study; the study's own result when it has no
-    successful trial or ``top`` is 0.
+    successful trial, ``top`` is 0 or fewer than two configs are candidates.
     """
     study = load_study(spec, bucket, storage)
     if study is None:
         return None
     default = spec.default_meta(**bucket)
     result = summarize(spec, bucket, study, default, stop)
-    if result.meta is None or top <= 0 or rounds <= 0:
-        return result
-    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    candidates: list[dict[str, Any]] = []
-    for t in sorted(complete, key=lambda t: t.value):
-        if t.params not in candidates:
-            candidates.append(dict(t.params))
-    if len(candidates) > max(top, CONFIRM_ALL):
-        candidates = candidates[:top]
-    if default not in candidates and any(t.params == default for t in complete):
-        candidates.append(dict(default))
-    times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
-    for r in range(rounds):
-        order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
-        for i in order:
-            if i in times:
-                try:
-                    times[i].append(evaluate(candidates[i]))
-                except TrialFailed:
-                    del times[i]
-    medians = {i: statistics.median(ts) for i, ts in times.items()}
-    if not medians:
-        return result
-    best = min(medians, key=lambda i: (medians[i], i))  # ties: the study's order
-    default_i = next((i for i in medians if candidates[i] == default), None)
+    candidates = confirm_candidates(study, default, top) if top > 0 and rounds > 0 else []
+    if result.meta is None or len(candidates) < 2:
+        final = result
+    else:
+        times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
+        for r in range(rounds):
+            order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
+            for i in order:
+                if i in times:
+                    try:
+                        times[i].append(evaluate(candidates[i]))
+                    except TrialFailed:
+                        del times[i]
+        medians = {i: statistics.median(ts) for i, ts in times.items()}
+        if not medians:
+            final = result
+        else:
+            best = min(medians, key=lambda i: (medians[i], i))  # ties: the study's order
+            default_i = next((i for i in medians if candidates[i] == default), None)
+            final = dataclasses.replace(
+                result,
+                meta=candidates[best],
+                time_us=medians[best],
+                default_time_us=(
+                    medians[default_i] if default_i is not None else result.default_time_us
+                ),
+                confirm_rounds=rounds,
+            )
+    if record:
+        study.set_user_attr(
+            _CONFIRMED,
+            {
+                "finished": len(finished(study.get_trials(deepcopy=False))),
+                "meta": final.meta,
+                "time_us": final.time_us,
+                "default_time_us": final.default_time_us,
+                "confirm_rounds": final.confirm_rounds,
+            },
+        )
+    return final
+
+
+# The study's user attribute holding a worker's confirmation (see ``confirm(record=True)``).
+_CONFIRMED = "confirmed"
+# A claim on a study's confirmation: a trial of its own (surplus, so no count includes it).
+_CLAIM = "confirm_claim"
+
+
+def stored_confirmation(
+    spec, bucket: dict[str, int], storage, stop: StopRule = NO_STOP
+) -> StudyResult | None:
+    """The study's result with the confirmation a worker stored, if the study has one made
+    after its last finished trial (None otherwise: no study, none stored, or trials added
+    since, e.g. by a resumed run with a larger budget)."""
+    study = load_study(spec, bucket, storage)
+    if study is None:
+        return None
+    kept = study.user_attrs.get(_CONFIRMED)
+    trials = study.get_trials(deepcopy=False)
+    if not kept or kept["finished"] != len(finished(trials)):
+        return None
+    result = summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
     return dataclasses.replace(
         result,
-        meta=candidates[best],
-        time_us=medians[best],
-        default_time_us=medians[default_i] if default_i is not None else result.default_time_us,
-        confirm_rounds=rounds,
+        meta=kept["meta"],
+        time_us=kept["time_us"],
+        default_time_us=kept["default_time_us"],
+        confirm_rounds=kept["confirm_rounds"],
     )
+
+
+def claim_confirmation(study: optuna.Study, worker: str, key: str) -> bool:
+    """Whether ``worker`` is the one to confirm ``study`` (for the run ``key`` names: its
+    budget and stop rule): each worker that asks adds a claim trial, and the lowest-numbered
+    claim of the key wins. The storage numbers trials atomically, so exactly one worker of
+    those that ask wins, whichever host it is on."""
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=optuna.trial.TrialState.FAIL,
+            user_attrs={_SURPLUS: True, _CLAIM: key, "worker": worker},
+        )
+    )
+    claims = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get(_CLAIM) == key]
+    return min(claims, key=lambda t: t.number).user_attrs.get("worker") == worker
+
+
+def wait_until_finished(study: optuna.Study, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Wait until no trial of ``study`` that counts is running (other workers' last trials);
+    False after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        running = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        if not counted(running):
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(poll_s)
 
 
 def write_results(
