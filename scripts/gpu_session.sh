@@ -7,6 +7,9 @@
 #                                  the studies live in build/tune/sm90.journal, so the same
 #                                  command on the same machine resumes where the last one stopped
 #                                  (a run longer than one call). KVGEN_TUNE_ARGS: more options.
+#   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
+#                                  (default: this checkout's tuned_configs), bucket by bucket,
+#                                  in one process (benchmarks/compare_tuned.py)
 # KVGEN_COMMIT, when set, is the commit the bench records (a copied checkout's .git may be
 # older than its files). kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
 # lacks, e.g. optuna for the tuner tests, may be put in .whl/ and are installed first).
@@ -45,8 +48,14 @@ case "${1:-tests}" in
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
     echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
     ;;
+  compare)
+    [ -n "${2:-}" ] || { echo "usage: $0 compare B [A]" >&2; exit 2; }
+    python3 -P benchmarks/compare_tuned.py "${3:-tuned_configs}" "$2" \
+      --json "$out/compare-tuned-$day.json" 2>&1 | tee "$out/compare-tuned-$day.txt" |
+      tail -n 40 || rc=1
+    ;;
   *)
-    echo "usage: $0 tests|bench|tune [seconds]" >&2
+    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]" >&2
     exit 2
     ;;
 esac

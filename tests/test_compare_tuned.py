@@ -1,0 +1,62 @@
+"""benchmarks/compare_tuned.py: two tuned_configs folders' configs timed against each other,
+bucket by bucket (here with the tuner tests' fake timer)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("optuna")
+
+import _fake_tuning as fake  # noqa: E402
+
+from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
+from kvgen.tune import tuner  # noqa: E402
+
+HERE = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location(
+    "compare_tuned", HERE.parent / "benchmarks" / "compare_tuned.py"
+)
+compare_tuned = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_tuned)
+
+SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
+BEST = {"rows_per_program": 4, "num_warps": 2, "num_stages": 1}
+SLOWER = {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
+
+
+def _folder(path: Path, metas: dict[str, dict]) -> Path:
+    results = [
+        tuner.StudyResult(SPEC.name, key, meta, fake.cost(meta), None, 10, 0)
+        for key, meta in metas.items()
+    ]
+    tuner.write_results(path, "sm90", SPEC.family, results, fake.environment(), "local", 40)
+    return path
+
+
+def test_two_folders_configs_timed_bucket_by_bucket(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
+    a = _folder(tmp_path / "a", {"num_tokens=16": BEST, "num_tokens=4096": BEST,
+                                 "num_tokens=65536": SLOWER})  # fmt: skip
+    b = _folder(tmp_path / "b", {"num_tokens=16": BEST, "num_tokens=4096": SLOWER,
+                                 "num_tokens=65536": BEST, "num_tokens=1": BEST})  # fmt: skip
+    out = tmp_path / "cmp.json"
+    assert compare_tuned.main([str(a), str(b), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {r["bucket"]: r for r in doc["rows"]}
+    assert set(rows) == {"num_tokens=16", "num_tokens=4096", "num_tokens=65536"}  # in both
+    assert rows["num_tokens=16"]["same"] and rows["num_tokens=16"]["ratio"] == 1.0
+    worse = fake.cost(SLOWER) / fake.cost(BEST)
+    assert rows["num_tokens=4096"]["ratio"] == pytest.approx(worse)
+    assert rows["num_tokens=65536"]["ratio"] == pytest.approx(1 / worse)
+    assert doc["summary"].startswith("2/3 buckets with B within 2% of A (1 the same config)")
+    assert "worst B/A" in capsys.readouterr().out
+
+
+def test_nothing_in_common_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
+    a = _folder(tmp_path / "a", {"num_tokens=16": BEST})
+    assert compare_tuned.main([str(a), str(tmp_path / "empty")]) == 1
+    with pytest.raises(SystemExit):
+        compare_tuned.main([str(a), str(a), "--rounds", "0"])
