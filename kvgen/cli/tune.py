@@ -68,8 +68,9 @@ def tune_cmd(
     confirm: Annotated[
         int,
         opt(
-            "Re-time each study's best N configs (all, in a study of 8 or fewer) and the "
-            "default in 3 alternated rounds; keep the lowest median (0: the best trial).",
+            "Re-time each study's best N configs within 10 % of its best trial (every config, "
+            "in a study of 8 or fewer; the default where it is among them) in 3 alternated "
+            "rounds; keep the lowest median (0: the best trial).",
             min=0,
         ),
     ] = 3,
@@ -91,9 +92,9 @@ def tune_cmd(
     process per GPU (a candidate that breaks its GPU context fails its trial and ends that
     worker; a fresh one takes the GPU); an interrupted run resumes from its storage. With
     several GPUs (or several hosts sharing a --storage postgresql://... database, each running
-    this command), the trials of every study are spread over all workers. Before writing, the
-    best few configs of each study and the default are timed again in alternated rounds
-    (--confirm), so that one lucky timing does not pick the config. A study starts from the
+    this command), the trials of every study are spread over all workers. Right after a
+    study's trials, the worker that ran them times its best few configs again in alternated
+    rounds (--confirm), so that one lucky timing does not pick the config. A study starts from the
     template's default, the config the tuned JSON holds, and the best configs of its nearest
     already-tuned buckets, and ends early once more trials stop paying (--patience).
     """
