@@ -748,6 +748,20 @@ def test_confirm_drops_a_candidate_that_fails_now(storage):
 
     c = tuner.confirm(SPEC, BUCKET, storage, broken_best, top=3, rounds=3)
     assert c.meta == near and c.time_us == cost(near) and c.confirm_rounds == 3
+
+    def crashing_best(meta):  # any error is a dropped candidate, as in a trial ...
+        if meta == best:
+            raise RuntimeError("CUDA error: out of memory")
+        return cost(meta)
+
+    c = tuner.confirm(SPEC, BUCKET, storage, crashing_best, top=3, rounds=3)
+    assert c.meta == near and c.confirm_rounds == 3
+
+    def broken_gpu(meta):  # ... but a broken GPU context stops the caller
+        raise tuner.WorkerFault("illegal memory access")
+
+    with pytest.raises(tuner.WorkerFault):
+        tuner.confirm(SPEC, BUCKET, storage, broken_gpu, top=3, rounds=3)
     # top 0: the study's own result, nothing timed
     r = tuner.confirm(SPEC, BUCKET, storage, lambda m: pytest.fail("timed"), top=0)
     assert r.meta == best and r.confirm_rounds == 0

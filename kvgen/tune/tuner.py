@@ -749,8 +749,9 @@ def confirm(
     the process that writes the JSON.
 
     The study's trial values are left as they are. A candidate that fails now (a wrong result,
-    a crash) is dropped. None when there is no study; the study's own result when it has no
-    successful trial, ``top`` is 0 or fewer than two configs are candidates.
+    a crash) is dropped; a ``WorkerFault`` propagates. None when there is no study; the study's
+    own result when it has no successful trial, ``top`` is 0 or fewer than two configs are
+    candidates.
     """
     study = load_study(spec, bucket, storage)
     if study is None:
@@ -768,7 +769,9 @@ def confirm(
                 if i in times:
                     try:
                         times[i].append(evaluate(candidates[i]))
-                    except TrialFailed:
+                    except WorkerFault:  # the GPU context is broken: the caller stops
+                        raise
+                    except Exception:  # wrong now, or a crash: dropped, as a trial would be
                         del times[i]
         medians = {i: statistics.median(ts) for i, ts in times.items()}
         if not medians:
