@@ -4,9 +4,11 @@
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
 #   scripts/gpu_session.sh tune [S] a cold kvgen tune --arch sm90 (every default study) for at
 #                                  most S seconds (default 540), its log and JSON under $out;
-#                                  the studies live in build/tune/sm90.journal, so the same
-#                                  command on the same machine resumes where the last one stopped
-#                                  (a run longer than one call). KVGEN_TUNE_ARGS: more options.
+#                                  the studies live in build/tune/sm90.journal (copied to $out
+#                                  too), so the same command on the same machine, or on another
+#                                  with that file in build/tune/, resumes where the last one
+#                                  stopped (a run longer than one call). KVGEN_TUNE_ARGS: more
+#                                  options.
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
@@ -47,6 +49,9 @@ case "${1:-tests}" in
       --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
     echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
+    # the studies come back with the results: put the file in build/tune/ of the next
+    # machine's checkout (e.g. a carried folder) to resume there
+    cp build/tune/sm90.journal "$out/" 2>/dev/null || true
     ;;
   compare)
     [ -n "${2:-}" ] || { echo "usage: $0 compare B [A]" >&2; exit 2; }
