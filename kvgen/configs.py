@@ -246,14 +246,19 @@ def tuned_name(spec) -> str:
     return spec.name.removesuffix("-" + spec.target) + "-gpu"
 
 
+def bucket_distance(a: dict[str, int], b: dict[str, int]) -> float:
+    """How far apart two sizes (or buckets) are: the sum over dimensions of |log2| of their
+    ratio; infinite where they name different dimensions."""
+    if set(a) != set(b):
+        return math.inf
+    return sum(abs(math.log2(max(a[k], 1)) - math.log2(max(b[k], 1))) for k in a)
+
+
 def nearest_bucket(keys: list[str], size: dict[str, int]) -> str | None:
-    """The bucket closest to ``size`` in log2 distance (summed over dimensions)."""
+    """The bucket closest to ``size`` in ``bucket_distance``."""
 
     def distance(key: str) -> tuple[float, str]:
-        b = parse_bucket_key(key)
-        if set(b) != set(size):
-            return (math.inf, key)
-        return (sum(abs(math.log2(max(size[k], 1)) - math.log2(max(b[k], 1))) for k in b), key)
+        return (bucket_distance(size, parse_bucket_key(key)), key)
 
     best = min(keys, key=distance, default=None)
     return best if best is not None and distance(best)[0] < math.inf else None

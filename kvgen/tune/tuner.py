@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import statistics
 import time
@@ -601,11 +600,6 @@ def run_study(
 WARM_START = 2  # configs a fresh study takes from its nearest tuned buckets
 
 
-def bucket_distance(a: dict[str, int], b: dict[str, int]) -> float:
-    """How far apart two buckets of one variant are: the sum of |log2| of their ratios."""
-    return sum(abs(math.log2(max(a[k], 1) / max(b.get(k, a[k]), 1))) for k in a)
-
-
 def warm_start(
     study: optuna.Study,
     spec,
@@ -626,7 +620,7 @@ def warm_start(
         return []  # started (or resumed): the sampler has the study's own results
     have = [t.params or t.system_attrs.get("fixed_params") for t in trials]
     queued = []
-    for other in sorted(neighbours, key=lambda b: bucket_distance(bucket, b)):
+    for other in sorted(neighbours, key=lambda b: configs.bucket_distance(bucket, b)):
         if len(queued) >= most or len(counted(trials)) + len(queued) >= limit:
             break
         if other == bucket:
@@ -714,7 +708,6 @@ def confirm_candidates(study: optuna.Study, default: dict[str, Any], top: int) -
     hide the best), else the ``top`` best within ``CONFIRM_MARGIN`` of the best trial's time,
     and the default where it was timed within that margin. Fewer than two: nothing to re-time."""
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    complete = [t for t in complete if not t.user_attrs.get(_SURPLUS)]
     configs: list[dict[str, Any]] = []
     values: list[float] = []
     for t in sorted(complete, key=lambda t: (t.value, t.number)):

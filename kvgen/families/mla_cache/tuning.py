@@ -68,13 +68,15 @@ def gather_problem(spec, bucket, device):
         launch(*sets[i], **meta)
 
     cache, slots, _, out = sets[0]
-    # the reference's rows, made once for every candidate (the cache is only read)
-    want = functools.cache(lambda: reference_rows(spec.fmt, cache, slots, scale).to(device))
+
+    @functools.cache
+    def want():  # the reference's rows, made once for every candidate (the cache is only read)
+        return reference_rows(spec.fmt, cache, slots, scale).to(dtype).to(device)
 
     def check(meta):
         out.fill_(float("nan"))
         launch(*sets[0], **meta)
-        w = want().to(dtype)
+        w = want()
         return bool(((out == w) | (out.isnan() & w.isnan())).all())
 
     return run, check, case.n_sets
