@@ -156,6 +156,34 @@ class Space:
                 out.append(m)
         return out
 
+    def steps(self, a: dict[str, Any], b: dict[str, Any]) -> int:
+        """How many one-value steps along the parameters' ordered values lead from ``a`` to
+        ``b`` (4 -> 8 warps is one step, 2 -> 8 two): the local search's distance."""
+        return sum(
+            abs(values.index(a[k]) - values.index(b[k])) for k, values in self.params.items()
+        )
+
+    def compile_rings(
+        self, spec, seeds: list[dict[str, Any]], radius: int
+    ) -> list[list[dict[str, Any]]]:
+        """``compile_points`` within ``radius`` steps of the nearest of ``seeds`` (a search's
+        start points), grouped by that distance: ring r holds those r steps away. A compile
+        serves every point that differs from it in host parameters alone, so it sits in the
+        ring of the nearest such point. Seeds outside the space are ignored."""
+        seeds = [s for s in seeds if self.allows(s)]
+        rings: list[list[dict[str, Any]]] = [[] for _ in range(radius + 1)]
+        if not seeds:
+            return rings
+        nearest: dict[tuple, tuple[int, dict[str, Any]]] = {}
+        for m in self.feasible(spec):
+            d = min(self.steps(m, s) for s in seeds)
+            key = tuple(v for k, v in m.items() if k not in self.host)
+            if d <= radius and (key not in nearest or d < nearest[key][0]):
+                nearest[key] = (d, m)
+        for d, m in nearest.values():
+            rings[d].append(m)
+        return rings
+
     def allows(self, meta: dict[str, Any]) -> bool:
         """Whether ``meta`` names exactly this space's parameters, with values from the space."""
         return set(meta) == set(self.params) and all(meta[k] in self.params[k] for k in self.params)

@@ -123,3 +123,22 @@ def evaluator(spec, bucket):
     seconds = {"timing": 0.0}  # as the GPU evaluator's: where the wall time went
     evaluate.seconds = seconds
     return evaluate
+
+
+def compile_checker(spec, bucket):
+    """``kvgen.tune.precompile``'s checker, faked: every check appends "pid variant meta" to
+    KVGEN_FAKE_LOG; a config of 8 warps is "wrong", one of 16 raises (a compile error)."""
+    log = os.environ["KVGEN_FAKE_LOG"]
+    with open(log + ".factories", "a") as f:  # one line each time a process builds a problem
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"{os.getpid()} {spec.name}\n")
+
+    def check(meta):
+        with open(log, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(f"{os.getpid()} {spec.name} {json.dumps(meta, sort_keys=True)}\n")
+        if meta.get("num_warps") == 16:
+            raise RuntimeError("out of resources")
+        return meta.get("num_warps") != 8
+
+    return check

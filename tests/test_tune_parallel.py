@@ -481,6 +481,46 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
     assert entry["trials"] == len(SPACE.points()) and entry["confirm_rounds"] == 3
 
 
+def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
+    tmp_path, two_fake_gpus, monkeypatch
+):
+    """`kvgen tune --jobs 2` with the local search: before any trial, one pool compiles each
+    bucket's start point (the default) and the points within COMPILE_RADIUS steps of the
+    variant's start points, nearest first; not the whole space (with TPE, which may go
+    anywhere: the whole space)."""
+    from kvgen.tune import precompile
+
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    monkeypatch.setenv("KVGEN_TUNE_COMPILE_CHECKER", "_fake_tuning:compile_checker")
+    args = _tune_args(tmp_path, "16,65536", "1")
+    args[args.index("grid")] = "local"
+    args[args.index("--jobs") + 1] = "2"
+    result = _kvgen(*args, "--trials", "6")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    first = next(i for i, x in enumerate(lines) if x.startswith("compiling "))
+    assert "of 1 variants in 2 processes" in lines[first]
+    took = next(i for i, x in enumerate(lines) if x.startswith("compiling ahead took"))
+    assert first < took < next(i for i, x in enumerate(lines) if "[gpu fake0]" in x)
+    seeds = [SPEC.default_meta(**b) for b in BUCKETS]  # and the tuned JSON's configs
+    seeds += [m for b in BUCKETS if (m := tuner.incumbent(SPEC, b)) is not None]
+    want = SPACE.compile_rings(SPEC, seeds, precompile.COMPILE_RADIUS)
+    # the compile checks' lines name the variant; the trials' name variant@bucket
+    compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if s == SPEC.name]
+    # each once (the order, nearest first, is the plan's: test_precompile.py)
+    assert sorted(compiled) == sorted(json.dumps(m, sort_keys=True) for r in want for m in r)
+    assert all(json.dumps(s, sort_keys=True) in compiled for s in seeds)
+    assert len(compiled) < len(SPACE.compile_points(SPEC))
+
+    (tmp_path / "evals.log").unlink()
+    args[args.index("local")] = "tpe"
+    args[args.index("--storage") + 1] = str(tmp_path / "tpe.journal")
+    assert _kvgen(*args, "--trials", "6").exit_code == 0
+    compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if s == SPEC.name]
+    assert sorted(compiled) == sorted(json.dumps(m, sort_keys=True)
+                                      for m in SPACE.compile_points(SPEC))  # fmt: skip
+
+
 def test_a_study_finished_without_a_confirmation_is_confirmed_by_the_command(
     tmp_path, two_fake_gpus, monkeypatch
 ):

@@ -221,28 +221,39 @@ class Progress:
 
 
 def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
-    """Compile each variant's feasible candidates in ``compile_jobs`` processes, once, before
-    the workers start (a resumed run skips variants whose studies are all finished). Half of
+    """Compile, in ``compile_jobs`` processes before the workers start, what the studies'
+    searches visit first (``kvgen.tune.precompile``): every variant with a study left to run
+    (a resumed run skips the finished ones), its start points and their neighbourhood. Half of
     the wall-clock budget at most (``deadline``: time.monotonic()): what is left uncompiled
     then compiles in the trials that need it."""
-    from kvgen.tune.precompile import precompile
+    from kvgen.tune import precompile
 
     by_variant: dict[str, list[Study]] = {}
     for st in studies:
         by_variant.setdefault(st.spec.name, []).append(st)
-    stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
+    variants = []
     for mine in by_variant.values():
-        if stop is not None and time.time() >= stop:
-            log("compiling ahead stopped: half of the wall-clock budget is spent")
-            break
         spec, space = mine[0].spec, mine[0].space
         limits = [tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket) for st in mine]
-        if not all(
+        if all(
             tuner.study_done(spec, st.bucket, store, limit, opts.stop)
             for st, limit in zip(mine, limits, strict=True)
         ):
-            # Triton specialises integer arguments (== 1, multiples of 16): compile with a
-            # middle bucket, which shares its binaries with most of the others.
-            bucket = mine[len(mine) // 2].bucket
-            precompile(spec, bucket, space.compile_points(spec), compile_jobs, progress=log,
-                       stop=stop)  # fmt: skip
+            continue
+        seeds = [spec.default_meta(**st.bucket) for st in mine]
+        seeds += [m for st in mine if (m := tuner.incumbent(spec, st.bucket)) is not None]
+        if opts.sampler != "local":  # no local walk: any point may come, so all of them
+            radius = sum(len(values) - 1 for values in space.params.values())
+        else:
+            radius = precompile.COMPILE_RADIUS
+        # Triton specialises integer arguments (== 1, multiples of 16): compile with a
+        # middle bucket, which shares its binaries with most of the others.
+        variants.append((spec, space, mine[len(mine) // 2].bucket, seeds, radius))
+    tasks = []
+    for radius in sorted({v[-1] for v in variants}):
+        tasks += precompile.plan([v[:-1] for v in variants if v[-1] == radius], radius)
+    tasks.sort(key=lambda t: t.ring)  # stable: nearest first across every variant
+    stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
+    # KVGEN_TUNE_COMPILE_CHECKER replaces the GPU check (the tests' fake one)
+    checker = os.environ.get("KVGEN_TUNE_COMPILE_CHECKER", precompile.DEFAULT_CHECKER)
+    precompile.precompile(tasks, compile_jobs, progress=log, stop=stop, checker=checker)

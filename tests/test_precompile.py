@@ -1,0 +1,101 @@
+"""What ``kvgen tune`` compiles ahead (``kvgen.tune.precompile``): the start points and their
+neighbourhood, nearest first across variants, in one pool of processes; with a fake checker."""
+
+import json
+import os
+import time
+
+import pytest
+
+from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
+from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec
+from kvgen.space import load_space
+from kvgen.tune import precompile
+
+MXFP4 = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
+KV = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
+GQA = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+
+
+def _compile_key(space, m):
+    return tuple(v for k, v in m.items() if k not in space.host)
+
+
+@pytest.mark.parametrize("spec", [MXFP4, KV, GQA], ids=lambda s: s.family)
+def test_rings_hold_each_compile_once_at_its_distance_from_the_nearest_start(spec):
+    space = load_space(spec.template)
+    seeds = [spec.default_meta(**b) for b in space.bucket_list()[:3]]
+    full = sum(len(v) - 1 for v in space.params.values())
+    rings = space.compile_rings(spec, seeds, full)
+    keys = [_compile_key(space, m) for ring in rings for m in ring]
+    assert len(keys) == len(set(keys))  # one compile each
+    assert set(keys) == {_compile_key(space, m) for m in space.compile_points(spec)}  # all
+    distance = {}  # a compile's distance: that of the nearest point sharing it
+    for p in space.feasible(spec):
+        d = min(space.steps(p, s) for s in seeds)
+        k = _compile_key(space, p)
+        distance[k] = min(d, distance.get(k, d))
+    for r, ring in enumerate(rings):
+        assert all(distance[_compile_key(space, m)] == r for m in ring)
+    assert {_compile_key(space, s) for s in seeds if not space.violations(spec, s)} == {
+        _compile_key(space, m) for m in rings[0]
+    }
+    near = space.compile_rings(spec, seeds, 1)
+    assert near == [rings[0], rings[1]]  # a smaller radius: the same rings, cut
+    assert len(near[0]) + len(near[1]) < len(keys)  # and far fewer compiles
+    assert space.compile_rings(spec, [{"nonsense": 1}], 2) == [[], [], []]
+
+
+def test_the_plan_goes_ring_by_ring_over_every_variant_in_small_chunks():
+    variants = []
+    for spec in (MXFP4, KV):
+        space = load_space(spec.template)
+        b = space.bucket_list()
+        variants.append((spec, space, b[0], [spec.default_meta(**x) for x in b]))
+    tasks = precompile.plan(variants, radius=2, chunk=3)
+    assert [t.ring for t in tasks] == sorted(t.ring for t in tasks)
+    assert all(1 <= len(t.metas) <= 3 for t in tasks)
+    for r in range(3):  # each ring holds both variants' points at that distance
+        names = {t.spec.name for t in tasks if t.ring == r}
+        assert names == {MXFP4.name, KV.name}
+        for spec, space, _, seeds in variants:
+            want = space.compile_rings(spec, seeds, 2)[r]
+            got = [m for t in tasks if t.ring == r and t.spec == spec for m in t.metas]
+            assert got == want
+
+
+def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_path, monkeypatch):
+    log = tmp_path / "checks.log"
+    monkeypatch.setenv("KVGEN_FAKE_LOG", str(log))
+    variants = []
+    for spec in (MXFP4, KV):
+        space = load_space(spec.template)
+        b = space.bucket_list()
+        variants.append((spec, space, b[len(b) // 2], [spec.default_meta(**x) for x in b]))
+    tasks = precompile.plan(variants, radius=1)
+    lines = []
+    out = precompile.precompile(
+        tasks, 2, progress=lines.append, checker="_fake_tuning:compile_checker"
+    )
+    metas = [(t.spec.name, json.dumps(m, sort_keys=True)) for t in tasks for m in t.metas]
+    assert sorted(out) == sorted(metas)  # every candidate, once
+    for (_, meta), outcome in out.items():
+        warps = json.loads(meta)["num_warps"]
+        want = {8: "wrong result", 16: "RuntimeError: out of resources"}.get(warps, "ok")
+        assert outcome == want
+    checks = log.read_text().splitlines()
+    assert len(checks) == len(metas)
+    assert len({c.split()[0] for c in checks}) <= 2  # the same two processes throughout
+    built = (tmp_path / "checks.log.factories").read_text().splitlines()
+    assert len(built) < len(tasks)  # problems are kept between a process's tasks
+    assert any("start points" in x for x in lines) and any("1 step(s)" in x for x in lines)
+    assert "compiled" in lines[-1]
+
+    log.unlink()
+    os.unlink(str(log) + ".factories")
+    lines.clear()
+    out = precompile.precompile(tasks, 2, progress=lines.append, stop=time.time() - 1,
+                                checker="_fake_tuning:compile_checker")  # fmt: skip
+    assert out == {} and not log.exists()  # past the deadline: nothing compiles
+    assert "left to the trials" in lines[-1]
