@@ -127,7 +127,10 @@ def evaluator(spec, bucket):
 
 def compile_checker(spec, bucket):
     """``kvgen.tune.precompile``'s checker, faked: every check appends "pid variant meta" to
-    KVGEN_FAKE_LOG; a config of 8 warps is "wrong", one of 16 raises (a compile error)."""
+    KVGEN_FAKE_LOG; a config of 8 warps is "wrong", one of 16 raises (a compile error); the
+    variant named by KVGEN_FAKE_NO_PROBLEM cannot build its problem (out of memory)."""
+    if spec.name == os.environ.get("KVGEN_FAKE_NO_PROBLEM"):
+        raise RuntimeError("CUDA out of memory")
     log = os.environ["KVGEN_FAKE_LOG"]
     with open(log + ".factories", "a") as f:  # one line each time a process builds a problem
         fcntl.flock(f, fcntl.LOCK_EX)

@@ -90,7 +90,7 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     built = (tmp_path / "checks.log.factories").read_text().splitlines()
     assert len(built) < len(tasks)  # problems are kept between a process's tasks
     assert any("start points" in x for x in lines) and any("1 step(s)" in x for x in lines)
-    assert "compiled" in lines[-1]
+    assert "compiled" in lines[-2] and KV.name in lines[-1]  # where the process time went
 
     log.unlink()
     os.unlink(str(log) + ".factories")
@@ -98,4 +98,11 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     out = precompile.precompile(tasks, 2, progress=lines.append, stop=time.time() - 1,
                                 checker="_fake_tuning:compile_checker")  # fmt: skip
     assert out == {} and not log.exists()  # past the deadline: nothing compiles
-    assert "left to the trials" in lines[-1]
+    assert "left to the trials" in lines[-2]
+
+    monkeypatch.setenv("KVGEN_FAKE_NO_PROBLEM", KV.name)  # a problem that cannot be built
+    out = precompile.precompile(tasks, 2, checker="_fake_tuning:compile_checker")
+    assert sorted(out) == sorted(metas)  # the pool goes on
+    assert all(v.startswith("building the problem: RuntimeError: CUDA out of memory")
+               for (name, _), v in out.items() if name == KV.name)  # fmt: skip
+    assert any(v == "ok" for (name, _), v in out.items() if name == MXFP4.name)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 COMPILE_RADIUS = 2
-CHUNK = 4  # candidates a pool task: few, so that the order across variants holds
+CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
 DEFAULT_CHECKER = "kvgen.tune.precompile:cuda_checker"
 
 
@@ -65,8 +65,7 @@ def cuda_checker(spec, bucket):
     return check
 
 
-_checks: dict[tuple, Callable] = {}  # per pool process: the last few variants' checks
-_KEEP = 3
+_checks: dict[tuple, Callable] = {}  # per pool process: the last variant's check
 
 
 def _one_thread() -> None:
@@ -77,18 +76,36 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _run(args: tuple[Task, float | None, str]) -> tuple[int, dict[str, str]]:
-    task, stop, checker = args
-    out: dict[str, str] = {}
-    if stop is not None and time.time() >= stop:  # the rest compiles when a trial needs it
-        return task.ring, out
+def _check_for(task: Task, checker: str) -> Callable:
+    """The check of ``task``'s (variant, bucket), kept until a task of another one comes (one
+    problem's inputs a process: a decode's are gigabytes, and 15 processes share the GPU)."""
     key = (task.spec.name, json.dumps(task.bucket, sort_keys=True))
     if key not in _checks:
-        while len(_checks) >= _KEEP:
-            _checks.pop(next(iter(_checks)))
+        if _checks:
+            _checks.clear()
+            import gc
+
+            import torch
+
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         module, _, attr = checker.partition(":")
         _checks[key] = getattr(importlib.import_module(module), attr)(task.spec, task.bucket)
-    check = _checks[key]
+    return _checks[key]
+
+
+def _run(args: tuple[Task, float | None, str]) -> tuple[int, dict[str, str], float]:
+    task, stop, checker = args
+    out: dict[str, str] = {}
+    t0 = time.monotonic()
+    if stop is not None and time.time() >= stop:  # the rest compiles when a trial needs it
+        return task.ring, out, 0.0
+    try:
+        check = _check_for(task, checker)
+    except Exception as exc:  # (out of memory, say): the trials will build it and say so
+        why = f"building the problem: {type(exc).__name__}: {exc}"[:200]
+        return task.ring, {json.dumps(m, sort_keys=True): why for m in task.metas}, 0.0
     for meta in task.metas:
         if stop is not None and time.time() >= stop:
             break
@@ -97,7 +114,7 @@ def _run(args: tuple[Task, float | None, str]) -> tuple[int, dict[str, str]]:
             out[name] = "ok" if check(meta) else "wrong result"
         except Exception as exc:  # compile errors are the tuner's to record, not ours
             out[name] = f"{type(exc).__name__}: {exc}"[:200]
-    return task.ring, out
+    return task.ring, out, time.monotonic() - t0
 
 
 def precompile(
@@ -126,11 +143,15 @@ def precompile(
     t0 = time.monotonic()
     outcome: dict[tuple[str, str], str] = {}
     per_ring = dict.fromkeys(rings, 0)
+    busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_one_thread) as pool:
         work = [(t, stop, checker) for t in tasks]
-        for task, (ring, part) in zip(tasks, pool.imap(_run, work), strict=True):
+        for task, (ring, part, seconds) in zip(tasks, pool.imap(_run, work), strict=True):
             outcome.update({(task.spec.name, k): v for k, v in part.items()})
+            spent = busy.setdefault(task.spec.name, [0.0, 0])
+            spent[0] += seconds
+            spent[1] += len(part)
             per_ring[ring] += len(part)
             left[ring] -= 1
             if progress and left[ring] == 0:
@@ -145,6 +166,11 @@ def precompile(
             f"  compiled {len(outcome)} ({bad} failed or wrong"
             + (f"; {skipped} left to the trials: the budget's half was spent" if skipped else "")
             + f") in {time.monotonic() - t0:.1f} s"
+        )
+        slowest = sorted(busy.items(), key=lambda kv: -kv[1][0])[:5]
+        progress(
+            "  most process time: "
+            + "; ".join(f"{name} {s:.0f} s for {n}" for name, (s, n) in slowest if n)
         )
     sys.stderr.flush()
     return outcome
