@@ -126,7 +126,7 @@ def evaluator(spec, bucket):
 
 
 def compile_checker(spec, bucket):
-    """``kvgen.tune.precompile``'s checker, faked: every check appends "pid variant meta" to
+    """``kvgen.tune.precompile``'s checker, faked: every check appends "pid variant#bucket meta" to
     KVGEN_FAKE_LOG; a config of 8 warps is "wrong", one of 16 raises (a compile error); the
     variant named by KVGEN_FAKE_NO_PROBLEM cannot build its problem (out of memory)."""
     if spec.name == os.environ.get("KVGEN_FAKE_NO_PROBLEM"):
@@ -139,7 +139,8 @@ def compile_checker(spec, bucket):
     def check(meta):
         with open(log, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            f.write(f"{os.getpid()} {spec.name} {json.dumps(meta, sort_keys=True)}\n")
+            where = ",".join(f"{k}={v}" for k, v in bucket.items())
+            f.write(f"{os.getpid()} {spec.name}#{where} {json.dumps(meta, sort_keys=True)}\n")
         if meta.get("num_warps") == 16:
             raise RuntimeError("out of resources")
         return meta.get("num_warps") != 8

@@ -52,17 +52,41 @@ def test_the_plan_goes_ring_by_ring_over_every_variant_in_small_chunks():
     for spec in (MXFP4, KV):
         space = load_space(spec.template)
         b = space.bucket_list()
-        variants.append((spec, space, b[0], [spec.default_meta(**x) for x in b]))
-    tasks = precompile.plan(variants, radius=2, chunk=3)
+        variants.append((spec, space, b[0], [spec.default_meta(**x) for x in b], 2))
+    tasks = precompile.plan(variants, chunk=3)
     assert [t.ring for t in tasks] == sorted(t.ring for t in tasks)
     assert all(1 <= len(t.metas) <= 3 for t in tasks)
     for r in range(3):  # each ring holds both variants' points at that distance
         names = {t.spec.name for t in tasks if t.ring == r}
         assert names == {MXFP4.name, KV.name}
-        for spec, space, _, seeds in variants:
+        for spec, space, _, seeds, _ in variants:
             want = space.compile_rings(spec, seeds, 2)[r]
             got = [m for t in tasks if t.ring == r and t.spec == spec for m in t.metas]
             assert got == want
+
+
+def test_a_candidate_two_entries_hold_at_one_bucket_is_compiled_once_in_the_nearer_ring():
+    space = load_space(MXFP4.template)
+    buckets = space.bucket_list()
+    a, b = buckets[0], buckets[-1]
+    own = [MXFP4.default_meta(**a)]
+    wide = [MXFP4.default_meta(**x) for x in buckets]
+    tasks = precompile.plan([(MXFP4, space, a, own, 1), (MXFP4, space, b, wide, 2),
+                             (MXFP4, space, a, wide, 2)])  # fmt: skip
+    at = {}
+    for t in tasks:
+        for m in t.metas:
+            key = (json.dumps(t.bucket), json.dumps(m, sort_keys=True))
+            assert key not in at  # once a bucket
+            at[key] = t.ring
+    rings_a = space.compile_rings(MXFP4, wide, 2)
+    for r, ring in enumerate(rings_a):
+        for m in ring:
+            mine = space.compile_rings(MXFP4, own, 1)
+            near = [i for i, ring_own in enumerate(mine) if m in ring_own]
+            assert at[(json.dumps(a), json.dumps(m, sort_keys=True))] == min(near + [r])
+    assert [t.ring for t in tasks] == sorted(t.ring for t in tasks)
+    assert {json.dumps(t.bucket) for t in tasks} == {json.dumps(a), json.dumps(b)}
 
 
 def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_path, monkeypatch):
@@ -72,8 +96,8 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     for spec in (MXFP4, KV):
         space = load_space(spec.template)
         b = space.bucket_list()
-        variants.append((spec, space, b[len(b) // 2], [spec.default_meta(**x) for x in b]))
-    tasks = precompile.plan(variants, radius=1)
+        variants.append((spec, space, b[len(b) // 2], [spec.default_meta(**x) for x in b], 1))
+    tasks = precompile.plan(variants)
     lines = []
     out = precompile.precompile(
         tasks, 2, progress=lines.append, checker="_fake_tuning:compile_checker"
@@ -85,6 +109,7 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
         want = {8: "wrong result", 16: "RuntimeError: out of resources"}.get(warps, "ok")
         assert outcome == want
     checks = log.read_text().splitlines()
+    assert {c.split()[1].split("#")[0] for c in checks} == {MXFP4.name, KV.name}
     assert len(checks) == len(metas)
     assert len({c.split()[0] for c in checks}) <= 2  # the same two processes throughout
     built = (tmp_path / "checks.log.factories").read_text().splitlines()

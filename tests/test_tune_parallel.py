@@ -499,24 +499,31 @@ def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     first = next(i for i, x in enumerate(lines) if x.startswith("compiling "))
-    assert "of 1 variants in 2 processes" in lines[first]
+    assert "of 1 variants at 2 buckets in 2 processes" in lines[first]
     took = next(i for i, x in enumerate(lines) if x.startswith("compiling ahead took"))
     assert first < took < next(i for i, x in enumerate(lines) if "[gpu fake0]" in x)
+    # the compile checks' lines name variant#bucket; the trials' variant@bucket
+    compiled = [
+        (s.split("#")[1], m) for _, s, m in _evaluations(tmp_path / "evals.log") if "#" in s
+    ]
+    assert len(compiled) == len(set(compiled))  # each once at a bucket
+    for b in BUCKETS:  # each study's start points and their neighbours, at its bucket
+        seeds = [SPEC.default_meta(**b)] + [m for m in [tuner.incumbent(SPEC, b)] if m]
+        near = SPACE.compile_rings(SPEC, seeds, precompile.STUDY_RADIUS)
+        for m in (m for ring in near for m in ring):
+            assert (f"num_tokens={b['num_tokens']}", json.dumps(m, sort_keys=True)) in compiled
     seeds = [SPEC.default_meta(**b) for b in BUCKETS]  # and the tuned JSON's configs
     seeds += [m for b in BUCKETS if (m := tuner.incumbent(SPEC, b)) is not None]
-    want = SPACE.compile_rings(SPEC, seeds, precompile.COMPILE_RADIUS)
-    # the compile checks' lines name the variant; the trials' name variant@bucket
-    compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if s == SPEC.name]
-    # each once (the order, nearest first, is the plan's: test_precompile.py)
-    assert sorted(compiled) == sorted(json.dumps(m, sort_keys=True) for r in want for m in r)
-    assert all(json.dumps(s, sort_keys=True) in compiled for s in seeds)
-    assert len(compiled) < len(SPACE.compile_points(SPEC))
+    wide = SPACE.compile_rings(SPEC, seeds, precompile.COMPILE_RADIUS)
+    metas = {m for _, m in compiled}
+    assert {json.dumps(m, sort_keys=True) for ring in wide for m in ring} <= metas
+    assert len(metas) < len(SPACE.compile_points(SPEC))  # not the whole space
 
     (tmp_path / "evals.log").unlink()
     args[args.index("local")] = "tpe"
     args[args.index("--storage") + 1] = str(tmp_path / "tpe.journal")
     assert _kvgen(*args, "--trials", "6").exit_code == 0
-    compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if s == SPEC.name]
+    compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if "#" in s]
     assert sorted(compiled) == sorted(json.dumps(m, sort_keys=True)
                                       for m in SPACE.compile_points(SPEC))  # fmt: skip
 

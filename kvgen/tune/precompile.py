@@ -7,12 +7,15 @@ compiles and launches) for many candidates in one pool of ``jobs`` processes; th
 process then finds them compiled. Results are identical with or without it: only the wall time
 changes.
 
-What is compiled ahead is what a local search visits first (``plan``): each variant's start
-points (the template defaults and the tuned JSON's configs of its buckets) and the points
-within ``COMPILE_RADIUS`` steps of them, nearest first across every variant, so that a
-budget cut leaves each variant its nearest points. A study that walks further compiles the
-rest in the trial that needs it. (Compiling every feasible point instead is 3967 compiles for
-sm90's default studies, most of which no study visits; radius 2 is 1118.)
+What is compiled ahead is what a local search visits first (``plan``), nearest first, so
+that a budget cut leaves every study its nearest points: each study's start points (the
+template default and the tuned JSON's config of its bucket) and their neighbours
+(``STUDY_RADIUS`` steps), at its own bucket, since Triton specialises a kernel by its integer
+arguments (== 1, multiples of 16) and pointer alignment, so that buckets differ in binaries;
+then the points within ``COMPILE_RADIUS`` steps of a variant's start points at a middle
+bucket, whose binaries most buckets share. A study that walks further compiles the rest in the
+trial that needs it. (Compiling every feasible point instead is 3967 compiles for sm90's
+default studies at one bucket a variant, most of which no study visits.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-COMPILE_RADIUS = 2
+COMPILE_RADIUS = 2  # around a variant's start points, at one middle bucket
+STUDY_RADIUS = 1  # around a study's own start points, at its bucket
 CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
 DEFAULT_CHECKER = "kvgen.tune.precompile:cuda_checker"
 
@@ -42,16 +46,30 @@ class Task:
     ring: int
 
 
-def plan(variants, radius: int = COMPILE_RADIUS, chunk: int = CHUNK) -> list[Task]:
-    """The compile tasks for ``variants``: ``(spec, space, bucket, seeds)`` tuples (``bucket``
-    the one the candidates are checked at, ``seeds`` the start points), ring by ring over
-    every variant, in chunks of ``chunk`` candidates."""
-    by_ring: list[list[Task]] = [[] for _ in range(radius + 1)]
-    for spec, space, bucket, seeds in variants:
+def plan(entries, chunk: int = CHUNK) -> list[Task]:
+    """The compile tasks for ``entries``: ``(spec, space, bucket, seeds, radius)`` tuples
+    (``bucket`` the one the candidates are checked at, ``seeds`` the start points, ``radius``
+    how many steps around them), ring by ring over every entry, in chunks of ``chunk``
+    candidates; a candidate two entries hold at the same bucket comes once, in the nearer
+    ring."""
+    ringed: dict[tuple, tuple[int, Any, dict, dict]] = {}
+    for spec, space, bucket, seeds, radius in entries:
+        where = json.dumps(bucket, sort_keys=True)
         for r, ring in enumerate(space.compile_rings(spec, seeds, radius)):
-            for i in range(0, len(ring), chunk):
-                by_ring[r].append(Task(spec, bucket, tuple(ring[i : i + chunk]), r))
-    return [t for ring in by_ring for t in ring]
+            for meta in ring:
+                key = (spec.name, where, json.dumps(meta, sort_keys=True))
+                if key not in ringed or r < ringed[key][0]:
+                    ringed[key] = (r, spec, bucket, meta)
+    groups: dict[tuple, list[dict]] = {}  # (ring, variant, bucket): metas, in entry order
+    for (name, where, _), (r, spec, bucket, meta) in ringed.items():
+        groups.setdefault((r, name, where), []).append((spec, bucket, meta))
+    tasks = []
+    for (r, _, _), members in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        spec, bucket = members[0][0], members[0][1]
+        metas = [m for _, _, m in members]
+        for i in range(0, len(metas), chunk):
+            tasks.append(Task(spec, bucket, tuple(metas[i : i + chunk]), r))
+    return tasks
 
 
 def cuda_checker(spec, bucket):
@@ -136,8 +154,10 @@ def precompile(
     left = {r: sum(t.ring == r for t in tasks) for r in rings}
     if progress:
         variants = len({t.spec.name for t in tasks})
+        places = len({(t.spec.name, json.dumps(t.bucket, sort_keys=True)) for t in tasks})
         progress(
-            f"compiling {total} candidates of {variants} variants in {jobs} processes "
+            f"compiling {total} candidates of {variants} variants at {places} buckets in "
+            f"{jobs} processes "
             f"(start points and {len(rings) - 1} steps around them, nearest first)"
         )
     t0 = time.monotonic()

@@ -231,28 +231,36 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
     by_variant: dict[str, list[Study]] = {}
     for st in studies:
         by_variant.setdefault(st.spec.name, []).append(st)
-    variants = []
+    entries = []
     for mine in by_variant.values():
         spec, space = mine[0].spec, mine[0].space
-        limits = [tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket) for st in mine]
-        if all(
-            tuner.study_done(spec, st.bucket, store, limit, opts.stop)
-            for st, limit in zip(mine, limits, strict=True)
-        ):
+        left = [
+            st
+            for st in mine
+            if not tuner.study_done(
+                spec, st.bucket, store,
+                tuner.budget(space, opts.sampler, opts.trials, spec, st.bucket), opts.stop,
+            )
+        ]  # fmt: skip
+        if not left:
             continue
-        seeds = [spec.default_meta(**st.bucket) for st in mine]
-        seeds += [m for st in mine if (m := tuner.incumbent(spec, st.bucket)) is not None]
+
+        def start_points(sts, spec=spec):
+            seeds = [spec.default_meta(**st.bucket) for st in sts]
+            return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
+
+        # Triton specialises integer arguments (== 1, multiples of 16) and pointers (16-byte
+        # alignment), so buckets differ in binaries: each study's own start points and their
+        # neighbours are compiled at its bucket, the wider rings at a middle bucket only.
+        middle = mine[len(mine) // 2].bucket
         if opts.sampler != "local":  # no local walk: any point may come, so all of them
-            radius = sum(len(values) - 1 for values in space.params.values())
-        else:
-            radius = precompile.COMPILE_RADIUS
-        # Triton specialises integer arguments (== 1, multiples of 16): compile with a
-        # middle bucket, which shares its binaries with most of the others.
-        variants.append((spec, space, mine[len(mine) // 2].bucket, seeds, radius))
-    tasks = []
-    for radius in sorted({v[-1] for v in variants}):
-        tasks += precompile.plan([v[:-1] for v in variants if v[-1] == radius], radius)
-    tasks.sort(key=lambda t: t.ring)  # stable: nearest first across every variant
+            full = sum(len(values) - 1 for values in space.params.values())
+            entries.append((spec, space, middle, start_points(mine), full))
+            continue
+        for st in left:
+            entries.append((spec, space, st.bucket, start_points([st]), precompile.STUDY_RADIUS))
+        entries.append((spec, space, middle, start_points(mine), precompile.COMPILE_RADIUS))
+    tasks = precompile.plan(entries)
     stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
     # KVGEN_TUNE_COMPILE_CHECKER replaces the GPU check (the tests' fake one)
     checker = os.environ.get("KVGEN_TUNE_COMPILE_CHECKER", precompile.DEFAULT_CHECKER)
