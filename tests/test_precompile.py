@@ -10,7 +10,7 @@ import pytest
 from kvgen.families.gqa_decode import GQADecodeSpec
 from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
 from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec
-from kvgen.space import load_space
+from kvgen.space import bucket_key, load_space
 from kvgen.tune import precompile
 
 MXFP4 = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
@@ -97,14 +97,19 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
         space = load_space(spec.template)
         b = space.bucket_list()
         variants.append((spec, space, b[len(b) // 2], [spec.default_meta(**x) for x in b], 1))
+    space = load_space(MXFP4.template)  # the same candidates at a second bucket: their own
+    variants.append((MXFP4, space, space.bucket_list()[0], variants[0][3], 1))
     tasks = precompile.plan(variants)
     lines = []
     out = precompile.precompile(
         tasks, 2, progress=lines.append, checker="_fake_tuning:compile_checker"
     )
-    metas = [(t.spec.name, json.dumps(m, sort_keys=True)) for t in tasks for m in t.metas]
-    assert sorted(out) == sorted(metas)  # every candidate, once
-    for (_, meta), outcome in out.items():
+    metas = [(t.spec.name, bucket_key(t.bucket), json.dumps(m, sort_keys=True))
+             for t in tasks for m in t.metas]  # fmt: skip
+    assert sorted(out) == sorted(metas)  # every candidate, once a bucket
+    assert len({(name, m) for name, _, m in out}) < len(out)
+    assert "left to the trials" not in "".join(lines)
+    for (_, _, meta), outcome in out.items():
         warps = json.loads(meta)["num_warps"]
         want = {8: "wrong result", 16: "RuntimeError: out of resources"}.get(warps, "ok")
         assert outcome == want
@@ -129,5 +134,5 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     out = precompile.precompile(tasks, 2, checker="_fake_tuning:compile_checker")
     assert sorted(out) == sorted(metas)  # the pool goes on
     assert all(v.startswith("building the problem: RuntimeError: CUDA out of memory")
-               for (name, _), v in out.items() if name == KV.name)  # fmt: skip
-    assert any(v == "ok" for (name, _), v in out.items() if name == MXFP4.name)
+               for (name, _, _), v in out.items() if name == KV.name)  # fmt: skip
+    assert any(v == "ok" for (name, _, _), v in out.items() if name == MXFP4.name)

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvgen.space import bucket_key
+
 COMPILE_RADIUS = 2  # around a variant's start points, at one middle bucket
 STUDY_RADIUS = 1  # around a study's own start points, at its bucket
 CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
@@ -145,7 +147,7 @@ def precompile(
     """Compile and check the ``tasks``' candidates in one pool of ``jobs`` processes (spawned,
     each with its own CUDA context on the current GPU), taken in order, none started after
     ``stop`` (a time.time()). ``checker``: ``module:function`` giving ``check(meta) -> bool``
-    for a (spec, bucket). Returns ``{(variant, json(meta)): outcome}``."""
+    for a (spec, bucket). Returns ``{(variant, bucket key, json(meta)): outcome}``."""
     if jobs <= 1 or not tasks:
         return {}
     jobs = min(jobs, len(tasks))
@@ -161,14 +163,15 @@ def precompile(
             f"(start points and {len(rings) - 1} steps around them, nearest first)"
         )
     t0 = time.monotonic()
-    outcome: dict[tuple[str, str], str] = {}
+    outcome: dict[tuple[str, str, str], str] = {}
     per_ring = dict.fromkeys(rings, 0)
     busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_one_thread) as pool:
         work = [(t, stop, checker) for t in tasks]
         for task, (ring, part, seconds) in zip(tasks, pool.imap(_run, work), strict=True):
-            outcome.update({(task.spec.name, k): v for k, v in part.items()})
+            where = bucket_key(task.bucket)
+            outcome.update({(task.spec.name, where, k): v for k, v in part.items()})
             spent = busy.setdefault(task.spec.name, [0.0, 0])
             spent[0] += seconds
             spent[1] += len(part)
