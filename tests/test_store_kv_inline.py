@@ -52,14 +52,35 @@ def test_the_store_looks_its_config_up_by_the_caches_row_align(kv, device, monke
         assert seen[-1] == {"num_tokens": 5, "num_heads": 2, "row_align": want}
 
 
-def test_an_untuned_row_align_takes_the_nearest_tuned_bucket():
-    """The committed sm90 configs were tuned on separate scale caches (row_align 16): a call on
-    vLLM's rows uses them until its own bucket is tuned."""
+def test_a_row_align_bucket_takes_its_own_config_or_else_the_nearest_tuned_one(
+    tmp_path, monkeypatch
+):
+    """vLLM's rows (row_align 4) use their own tuned config where the JSON has one, and the
+    separate-scale-cache bucket's (row_align 16) until theirs is tuned."""
+    import json
+
+    from kvgen._resources import tuned_configs_dir
+
     spec = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
-    entries = configs.table("sm90", spec.family)[spec.name]
-    want = entries["num_tokens=65536,num_heads=8,row_align=16"]["meta"]
+    doc = json.loads((tuned_configs_dir() / "sm90" / f"{spec.family}.json").read_text())
+    entries = doc["entries"][spec.name]
+    own = entries["num_tokens=65536,num_heads=8,row_align=4"]["meta"]
     got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
-    assert {k: got[k] for k in want} == want
+    assert {k: got[k] for k in own} == own
+    # a JSON without the row_align 4 buckets: the nearest bucket's config
+    doc["entries"] = {spec.name: {k: e for k, e in entries.items() if "row_align=16" in k}}
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / f"{spec.family}.json").write_text(json.dumps(doc))
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    configs.reset()
+    try:
+        want = entries["num_tokens=65536,num_heads=8,row_align=16"]["meta"]
+        assert want != own  # (so that the lookup shows which one it took)
+        got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
+        assert {k: got[k] for k in want} == want
+    finally:
+        monkeypatch.delenv(configs.OVERRIDE_ENV)
+        configs.reset()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8e5m2", "int4"])
