@@ -136,3 +136,24 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert all(v.startswith("building the problem: RuntimeError: CUDA out of memory")
                for (name, _, _), v in out.items() if name == KV.name)  # fmt: skip
     assert any(v == "ok" for (name, _, _), v in out.items() if name == MXFP4.name)
+
+
+def test_the_trials_count_compiles_and_cache_hits_through_triton_s_listener(monkeypatch):
+    """The worker's log says how many kernels a study compiled and how many it found in
+    Triton's cache (what compiling ahead saves): counted by Triton's compilation listener,
+    installed once, chained to a listener set before."""
+    from triton import knobs
+
+    from kvgen.tune import problems
+
+    seen = []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: seen.append(kw["cache_hit"]))
+    monkeypatch.setattr(problems, "COMPILES", {"compiled": 0, "cached": 0})
+    problems.listen_to_compiles()
+    listen = knobs.compilation.listener
+    problems.listen_to_compiles()  # once: a second call chains nothing more
+    assert knobs.compilation.listener is listen
+    for hit in (False, True, True):
+        listen(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert problems.COMPILES == {"compiled": 1, "cached": 2}
+    assert seen == [False, True, True]  # the listener before it still hears every compile

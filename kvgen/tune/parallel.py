@@ -312,10 +312,12 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
         best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
         split = getattr(raw, "seconds", {})
+        counts = getattr(raw, "counts", {})
         log(
             f"{label}: ran {len(ran)} trials in {time.monotonic() - t0:.1f} s "
             f"({setup:.1f} s building inputs"
             + "".join(f", {v:.1f} s {k}" for k, v in split.items())
+            + "".join(f", {v} kernels {k}" for k, v in counts.items())
             + f"); study best so far {best}"
             + ("; stopped: no more gain" if r.stopped_early else "")
         )

@@ -23,18 +23,25 @@ def problem(spec, bucket, device):
 
 def gpu_evaluator(spec, bucket, device="cuda"):
     """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs.
-    ``evaluate.seconds`` adds up where the wall time went: ``check`` (the first launch
-    compiles, unless compiled ahead), ``timing``."""
+    ``evaluate.seconds`` adds up where the wall time went: ``first check`` (the reference is
+    made there, once a problem), ``check`` (the others: a config's first launch in this
+    process compiles, unless compiled ahead, or loads its binary), ``timing``."""
     import time
 
     run, check, n_sets = problem(spec, bucket, device)
-    seconds = {"check": 0.0, "timing": 0.0}
+    seconds = {"first check": 0.0, "check": 0.0, "timing": 0.0}
+    listen_to_compiles()
+    start = dict(COMPILES)
+    counts = dict.fromkeys(COMPILES, 0)  # this problem's: kernels compiled / found cached
+    checked = []
 
     def evaluate(meta):
         t0 = time.perf_counter()
         ok = check(meta)
         t1 = time.perf_counter()
-        seconds["check"] += t1 - t0
+        seconds["check" if checked else "first check"] += t1 - t0
+        checked.append(1)
+        counts.update({k: v - start[k] for k, v in COMPILES.items()})
         if not ok:
             raise TrialFailed("wrong result")
         # Size the graph to the kernel: at least ~0.5 ms of work per graph and ~20 ms per
@@ -49,4 +56,28 @@ def gpu_evaluator(spec, bucket, device="cuda"):
         return us
 
     evaluate.seconds = seconds
+    evaluate.counts = counts
     return evaluate
+
+
+COMPILES = {"compiled": 0, "cached": 0}  # this process's Triton compiles, once listened to
+
+
+def listen_to_compiles() -> None:
+    """Count this process's Triton compiles in ``COMPILES`` from now on (``compiled``: built
+    here; ``cached``: found in Triton's cache on disk, e.g. compiled ahead by another process),
+    through Triton's compilation listener (chained to one already set; installed once)."""
+    from triton import knobs
+
+    before = knobs.compilation.listener
+    if getattr(before, "kvgen_counts", False):
+        return
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit):
+        COMPILES["cached" if cache_hit else "compiled"] += 1
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                   cache_hit=cache_hit)  # fmt: skip
+
+    listen.kvgen_counts = True
+    knobs.compilation.listener = listen
