@@ -56,11 +56,11 @@ def measure_grid(spec, bucket, space, fake: bool, jobs: int = 1) -> dict[str, fl
         def evaluate(m):
             return 10 + sum((v - 3) ** 2 for v in m.values()) * 0.1
     else:
-        from kvgen.tune.precompile import precompile
+        from kvgen.tune.precompile import compile_all
         from kvgen.tune.problems import gpu_evaluator
 
         feasible = space.feasible(spec)
-        precompile(spec, bucket, feasible, jobs, progress=lambda m: print(m, file=sys.stderr))
+        compile_all(spec, bucket, feasible, jobs, progress=lambda m: print(m, file=sys.stderr))
         evaluate = gpu_evaluator(spec, bucket)
     times = {}
     for point in space.points():

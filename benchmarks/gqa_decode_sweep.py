@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the measurements here")
     args = ap.parse_args(argv)
 
-    from kvgen.tune.precompile import precompile
+    from kvgen.tune.precompile import compile_all
     from kvgen.tune.problems import gpu_evaluator
 
     arch, target = runtime.local_target()
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                              target)  # fmt: skip
         default = spec.default_meta(rows=args.rows)
         metas = [default] + [p for p in points if p != default]
-        precompile(spec, bucket, metas, args.jobs)
+        compile_all(spec, bucket, metas, args.jobs)
         evaluate = gpu_evaluator(spec, bucket)
         times = {}
         for m in metas:

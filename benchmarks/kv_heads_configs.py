@@ -39,14 +39,14 @@ def main(argv=None) -> int:
     arch, target = runtime.local_target()
     spec = MLADecodeSpec(576, 512, "bf16", args.variant, arch, target)
     space = load_space(spec.template)
-    from kvgen.tune.precompile import precompile
+    from kvgen.tune.precompile import compile_all
 
     # Compile every point once, on small problems (the kernels depend on the meta-parameters
     # and on whether there is one KV head, not on the sizes): the timing problems at 8 KV heads
     # hold ~10 GB each, too much for a compile process apiece.
     feasible = space.feasible(spec)
     for h_kv in sorted({1 if h == 1 else 2 for _, h in CASES}):
-        precompile(spec, {"rows": 16, "h_kv": h_kv}, feasible, args.jobs, progress=print)
+        compile_all(spec, {"rows": 16, "h_kv": h_kv}, feasible, args.jobs, progress=print)
     results = []
     print(f"{'h_q':>4} {'h_kv':>4} {'rows':>4}  {'chosen us':>9}  {'best us':>9}  ratio  best")
     for h_q, h_kv in CASES:

@@ -157,3 +157,14 @@ def test_the_trials_count_compiles_and_cache_hits_through_triton_s_listener(monk
         listen(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
     assert problems.COMPILES == {"compiled": 1, "cached": 2}
     assert seen == [False, True, True]  # the listener before it still hears every compile
+
+
+def test_compile_all_takes_a_benchmark_s_candidates_at_one_bucket(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGEN_FAKE_LOG", str(tmp_path / "checks.log"))
+    space = load_space(MXFP4.template)
+    metas = space.feasible(MXFP4)
+    bucket = space.bucket_list()[2]
+    out = precompile.compile_all(MXFP4, bucket, metas, 2, checker="_fake_tuning:compile_checker")
+    assert sorted(out) == sorted(
+        (MXFP4.name, bucket_key(bucket), json.dumps(m, sort_keys=True)) for m in metas
+    )

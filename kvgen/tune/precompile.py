@@ -197,3 +197,18 @@ def precompile(
         )
     sys.stderr.flush()
     return outcome
+
+
+def compile_all(
+    spec,
+    bucket: dict[str, int],
+    metas: list[dict],
+    jobs: int,
+    progress: Callable[[str], None] | None = None,
+    checker: str = DEFAULT_CHECKER,
+) -> dict[tuple[str, str, str], str]:
+    """``precompile`` of the given candidates of one variant at one bucket (a benchmark's grid
+    or sweep), in that order."""
+    chunks = range(0, len(metas), CHUNK)
+    tasks = [Task(spec, bucket, tuple(metas[i : i + CHUNK]), 0) for i in chunks]
+    return precompile(tasks, jobs, progress=progress, checker=checker)
