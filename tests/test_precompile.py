@@ -168,3 +168,12 @@ def test_compile_all_takes_a_benchmark_s_candidates_at_one_bucket(tmp_path, monk
     assert sorted(out) == sorted(
         (MXFP4.name, bucket_key(bucket), json.dumps(m, sort_keys=True)) for m in metas
     )
+
+
+def test_buckets_fall_into_the_classes_triton_specialises_their_sizes_by():
+    cls = precompile.compile_class
+    assert cls({"num_tokens": 16}) == cls({"num_tokens": 65536})  # multiples of 16
+    assert len({cls({"num_tokens": t}) for t in (1, 4, 16)}) == 3  # one, other, multiple
+    # vLLM's inline-scale rows are a class of their own
+    a = {"num_tokens": 4096, "num_heads": 8, "row_align": 16}
+    assert cls(a) != cls({**a, "row_align": 4}) and cls(a) == cls({**a, "num_tokens": 256})

@@ -484,22 +484,23 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
 def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
     tmp_path, two_fake_gpus, monkeypatch
 ):
-    """`kvgen tune --jobs 2` with the local search: before any trial, one pool compiles each
-    bucket's start point (the default) and the points within COMPILE_RADIUS steps of the
-    variant's start points, nearest first; not the whole space (with TPE, which may go
-    anywhere: the whole space)."""
+    """`kvgen tune --jobs 2` with the local search: before any trial, one pool compiles, for
+    each class of buckets Triton specialises alike (1 token, 4 tokens, 16 and 65536), the
+    class's start points (defaults, tuned configs) and the points within COMPILE_RADIUS steps
+    of them at one bucket of the class; not the whole space (with TPE, which may go anywhere:
+    the whole space, at one bucket)."""
     from kvgen.tune import precompile
 
     monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
     monkeypatch.setenv("KVGEN_TUNE_COMPILE_CHECKER", "_fake_tuning:compile_checker")
-    args = _tune_args(tmp_path, "16,65536", "1")
+    args = _tune_args(tmp_path, "1,4,16,65536", "1")
     args[args.index("grid")] = "local"
     args[args.index("--jobs") + 1] = "2"
     result = _kvgen(*args, "--trials", "6")
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     first = next(i for i, x in enumerate(lines) if x.startswith("compiling "))
-    assert "of 1 variants at 2 buckets in 2 processes" in lines[first]
+    assert "of 1 variants at 3 buckets in 2 processes" in lines[first]
     took = next(i for i, x in enumerate(lines) if x.startswith("compiling ahead took"))
     assert first < took < next(i for i, x in enumerate(lines) if "[gpu fake0]" in x)
     # the compile checks' lines name variant#bucket; the trials' variant@bucket
@@ -507,17 +508,14 @@ def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
         (s.split("#")[1], m) for _, s, m in _evaluations(tmp_path / "evals.log") if "#" in s
     ]
     assert len(compiled) == len(set(compiled))  # each once at a bucket
-    for b in BUCKETS:  # each study's start points and their neighbours, at its bucket
-        seeds = [SPEC.default_meta(**b)] + [m for m in [tuner.incumbent(SPEC, b)] if m]
-        near = SPACE.compile_rings(SPEC, seeds, precompile.STUDY_RADIUS)
-        for m in (m for ring in near for m in ring):
-            assert (f"num_tokens={b['num_tokens']}", json.dumps(m, sort_keys=True)) in compiled
-    seeds = [SPEC.default_meta(**b) for b in BUCKETS]  # and the tuned JSON's configs
-    seeds += [m for b in BUCKETS if (m := tuner.incumbent(SPEC, b)) is not None]
-    wide = SPACE.compile_rings(SPEC, seeds, precompile.COMPILE_RADIUS)
-    metas = {m for _, m in compiled}
-    assert {json.dumps(m, sort_keys=True) for ring in wide for m in ring} <= metas
-    assert len(metas) < len(SPACE.compile_points(SPEC))  # not the whole space
+    for cls, at in (([1], 1), ([4], 4), ([16, 65536], 65536)):
+        seeds = [SPEC.default_meta(num_tokens=t) for t in cls]
+        seeds += [m for t in cls if (m := tuner.incumbent(SPEC, {"num_tokens": t}))]
+        rings = SPACE.compile_rings(SPEC, seeds, precompile.COMPILE_RADIUS)
+        want = {(f"num_tokens={at}", json.dumps(m, sort_keys=True)) for r in rings for m in r}
+        assert want == {c for c in compiled if c[0] == f"num_tokens={at}"}
+    assert {b for b, _ in compiled} == {"num_tokens=1", "num_tokens=4", "num_tokens=65536"}
+    assert len({m for _, m in compiled}) < len(SPACE.compile_points(SPEC))  # not everything
 
     (tmp_path / "evals.log").unlink()
     args[args.index("local")] = "tpe"

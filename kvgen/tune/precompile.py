@@ -8,14 +8,13 @@ process then finds them compiled. Results are identical with or without it: only
 changes.
 
 What is compiled ahead is what a local search visits first (``plan``), nearest first, so
-that a budget cut leaves every study its nearest points: each study's start points (the
-template default and the tuned JSON's config of its bucket) and their neighbours
-(``STUDY_RADIUS`` steps), at its own bucket, since Triton specialises a kernel by its integer
-arguments (== 1, multiples of 16) and pointer alignment, so that buckets differ in binaries;
-then the points within ``COMPILE_RADIUS`` steps of a variant's start points at a middle
-bucket, whose binaries most buckets share. A study that walks further compiles the rest in the
-trial that needs it. (Compiling every feasible point instead is 3967 compiles for sm90's
-default studies at one bucket a variant, most of which no study visits.)
+that a budget cut leaves every study its nearest points: the start points of a variant's
+studies (the template default and the tuned JSON's config of each bucket) and the points
+within ``COMPILE_RADIUS`` steps of them, once for each class of buckets whose launches Triton
+specialises alike (``compile_class``), at one bucket of the class. A study that walks further
+compiles the rest in the trial that needs it. (Compiling every feasible point instead is 3967
+compiles for sm90's default studies at one bucket a variant, most of which no study visits,
+and the buckets of other classes compile in their trials anyway.)
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ from typing import Any
 
 from kvgen.space import bucket_key
 
-COMPILE_RADIUS = 2  # around a variant's start points, at one middle bucket
-STUDY_RADIUS = 1  # around a study's own start points, at its bucket
+COMPILE_RADIUS = 2  # steps around the start points of a class of buckets
 CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
 DEFAULT_CHECKER = "kvgen.tune.precompile:cuda_checker"
 
@@ -72,6 +70,16 @@ def plan(entries, chunk: int = CHUNK) -> list[Task]:
         for i in range(0, len(metas), chunk):
             tasks.append(Task(spec, bucket, tuple(metas[i : i + chunk]), r))
     return tasks
+
+
+def compile_class(bucket: dict[str, int]) -> tuple:
+    """The class of ``bucket`` whose launches Triton compiles alike, as far as its sizes tell:
+    Triton specialises an integer argument by whether it is 1 and whether it is a multiple of
+    16, and a pointer by 16-byte alignment, so 1 token, 4 tokens and 16-65536 tokens differ in
+    binaries, and so do vLLM's inline-scale rows (``row_align`` 4 or 8) and 16-byte aligned
+    ones. Sizes passed to a kernel as products of the bucket's (units = tokens x heads) can
+    still differ within a class: those compile in their trials."""
+    return tuple((k, 1 if v == 1 else 16 if v % 16 == 0 else 0) for k, v in bucket.items())
 
 
 def cuda_checker(spec, bucket):

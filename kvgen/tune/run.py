@@ -249,17 +249,18 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
             seeds = [spec.default_meta(**st.bucket) for st in sts]
             return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
 
-        # Triton specialises integer arguments (== 1, multiples of 16) and pointers (16-byte
-        # alignment), so buckets differ in binaries: each study's own start points and their
-        # neighbours are compiled at its bucket, the wider rings at a middle bucket only.
-        middle = mine[len(mine) // 2].bucket
         if opts.sampler != "local":  # no local walk: any point may come, so all of them
             full = sum(len(values) - 1 for values in space.params.values())
-            entries.append((spec, space, middle, start_points(mine), full))
+            entries.append((spec, space, mine[len(mine) // 2].bucket, start_points(mine), full))
             continue
+        # buckets whose launches Triton specialises alike share binaries: each such class's
+        # studies' start points and their neighbourhood, compiled at one of its buckets
+        classes: dict[tuple, list[Study]] = {}
         for st in left:
-            entries.append((spec, space, st.bucket, start_points([st]), precompile.STUDY_RADIUS))
-        entries.append((spec, space, middle, start_points(mine), precompile.COMPILE_RADIUS))
+            classes.setdefault(precompile.compile_class(st.bucket), []).append(st)
+        for sts in classes.values():
+            bucket = sts[len(sts) // 2].bucket
+            entries.append((spec, space, bucket, start_points(sts), precompile.COMPILE_RADIUS))
     tasks = precompile.plan(entries)
     stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
     # KVGEN_TUNE_COMPILE_CHECKER replaces the GPU check (the tests' fake one)
