@@ -3,7 +3,10 @@ its bundled ptxas): run by tests/test_gpu_compile.py in a process without TRITON
 that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on any failure."""
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -92,6 +95,46 @@ compile_fn(
     {"ROWS": 4},
 )
 
+
+def byte_stores(kernel) -> int:
+    """How many global stores of ``kernel`` write one byte (SASS STG.E.U8, read with Triton's
+    own nvdisasm)."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
+    assert sass.returncode == 0, sass.stderr
+    return sass.stdout.count("STG.E.U8")
+
+
+def compile_store(spec, types, constexprs, inline_align):
+    """The store at ``constexprs`` for 16-byte aligned rows and for vLLM's rows with the scales
+    in their pad bytes (``inline_align``: 132-byte int8 / fp8 rows are 4-byte aligned, 72-byte
+    int4 rows 8): the latter must write its codes as wide as the former where the layout lets
+    a thread hold several (before the kernel was told the rows' alignment, a 132-byte row went
+    out a byte a store). Pointers 16-byte aligned, as torch allocates; the inline rows' strides
+    of unknown divisibility, as Triton sees 132 or 72."""
+    global failures
+    fn = load(spec).store_kernel
+    # separate caches: Triton sees their strides as multiples of 16 itself
+    strides = [n for n in fn.arg_names if n.startswith(("stride_kc_", "stride_vc_"))]
+    aligned = compile_fn(spec.name, fn, types, {**constexprs, "ROW_ALIGN": 16},
+                         aligned=[*types, *strides])  # fmt: skip
+    inline = compile_fn(spec.name, fn, types, {**constexprs, "ROW_ALIGN": inline_align},
+                        aligned=types)  # fmt: skip
+    if aligned is None or inline is None:
+        return
+    wide, narrow = byte_stores(aligned), byte_stores(inline)
+    if narrow > wide:
+        failures += 1
+        print(f"FAIL {spec.name} {constexprs}: {narrow} byte stores on {inline_align}-byte "
+              f"aligned rows, {wide} on 16")  # fmt: skip
+    else:
+        print(f"ok   {spec.name} {constexprs}: {narrow} byte stores on {inline_align}-byte "
+              f"aligned rows, {wide} on 16")  # fmt: skip
+
+
 for spec in (
     StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16"),
     StoreKVPerTokenHeadSpec("fp8e4m3", 576, 512, "bf16"),
@@ -119,10 +162,10 @@ for spec in (
     }
     if isinstance(spec, StoreKVInt4Spec):  # scale groups a program, 64-bit unit indices
         for units, wide in ((32, False), (256, False), (64, True)):
-            compile_fn(spec.name, load(spec).store_kernel, types, {"UNITS": units, "WIDE": wide})
+            compile_store(spec, types, {"UNITS": units, "WIDE": wide}, 8)
         continue
     for tokens, heads in ((1, 8), (4, 2), (1, 1)):
-        compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens, "HEADS": heads})
+        compile_store(spec, types, {"TOKENS": tokens, "HEADS": heads}, 4)
 
 for spec in (
     ConcatAndCacheMLASpec("auto", 512, 64, "bf16"),

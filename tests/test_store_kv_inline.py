@@ -122,3 +122,30 @@ def test_a_tuning_trial_of_a_row_align_bucket_stores_into_that_layout(
     meta = spec.default_meta(num_tokens=9, num_heads=2)
     run(0, meta)
     assert check(meta)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_the_kernel_is_told_the_alignment_the_tuned_bucket_is_keyed_by(fmt):
+    """The generated launcher passes its kernel ROW_ALIGN (a promise: every row starts at a
+    multiple of it, so the codes go out several to a store): it must be the package's
+    ``row_align`` of the same caches, on separate caches, vLLM's inline rows, an HND view and
+    caches starting at an odd byte."""
+    from kvgen.codegen import load
+    from kvgen.families.per_token_head import row_align as package_row_align
+
+    if fmt == "int4":
+        spec = StoreKVInt4Spec(32, 128, 128, "bf16", "sm90", "gpu")
+    else:
+        spec = StoreKVPerTokenHeadSpec(fmt, 128, 128, "bf16", "sm90", "gpu")
+    launcher_row_align = load(spec).row_align
+    seen = set()
+    for layout in ("separate", "inline"):
+        kc, vc, _, _ = alloc_caches(fmt, 32, (3, 16, 2), 128, 128, torch.bfloat16, "cpu", layout)
+        hnd = (kc.permute(0, 2, 1, 3), vc.permute(0, 2, 1, 3))
+        for caches in ((kc, vc), hnd):
+            assert launcher_row_align(*caches) == package_row_align(*caches)
+            seen.add(launcher_row_align(*caches))
+    raw = torch.zeros(3 * 16 * 2 * 64 + 1, dtype=torch.uint8)
+    odd = raw[1:].view(3, 16, 2, 64)  # starts at an odd byte: nothing wider than a byte
+    assert launcher_row_align(odd, odd) == package_row_align(odd, odd) == 1
+    assert seen == {16, 4 if fmt == "int8" else 8}
