@@ -96,16 +96,29 @@ compile_fn(
 )
 
 
-def byte_stores(kernel) -> int:
-    """How many global stores of ``kernel`` write one byte (SASS STG.E.U8, read with Triton's
-    own nvdisasm)."""
+def byte_accesses(kernel, op: str = "STG") -> int:
+    """How many global stores (``op`` STG) or loads (LDG) of ``kernel`` move one byte (SASS
+    STG.E.U8 / LDG.E.U8, read with Triton's own nvdisasm)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr
-    return sass.stdout.count("STG.E.U8")
+    return sass.stdout.count(f"{op}.E.U8")
+
+
+def no_narrower(label, aligned, inline, inline_align, op):
+    """Fail if the kernel compiled for vLLM's inline rows (aligned to ``inline_align`` bytes)
+    moves more single bytes (``op``: STG / LDG) than the one compiled for 16-byte rows."""
+    global failures
+    if aligned is None or inline is None:
+        return
+    wide, narrow = byte_accesses(aligned, op), byte_accesses(inline, op)
+    verdict = "FAIL" if narrow > wide else "ok  "
+    failures += narrow > wide
+    print(f"{verdict} {label}: {narrow} one-byte {op} on {inline_align}-byte aligned rows, "
+          f"{wide} on 16")  # fmt: skip
 
 
 def compile_store(spec, types, constexprs, inline_align):
@@ -115,7 +128,6 @@ def compile_store(spec, types, constexprs, inline_align):
     a thread hold several (before the kernel was told the rows' alignment, a 132-byte row went
     out a byte a store). Pointers 16-byte aligned, as torch allocates; the inline rows' strides
     of unknown divisibility, as Triton sees 132 or 72."""
-    global failures
     fn = load(spec).store_kernel
     # separate caches: Triton sees their strides as multiples of 16 itself
     strides = [n for n in fn.arg_names if n.startswith(("stride_kc_", "stride_vc_"))]
@@ -123,16 +135,7 @@ def compile_store(spec, types, constexprs, inline_align):
                          aligned=[*types, *strides])  # fmt: skip
     inline = compile_fn(spec.name, fn, types, {**constexprs, "ROW_ALIGN": inline_align},
                         aligned=types)  # fmt: skip
-    if aligned is None or inline is None:
-        return
-    wide, narrow = byte_stores(aligned), byte_stores(inline)
-    if narrow > wide:
-        failures += 1
-        print(f"FAIL {spec.name} {constexprs}: {narrow} byte stores on {inline_align}-byte "
-              f"aligned rows, {wide} on 16")  # fmt: skip
-    else:
-        print(f"ok   {spec.name} {constexprs}: {narrow} byte stores on {inline_align}-byte "
-              f"aligned rows, {wide} on 16")  # fmt: skip
+    no_narrower(f"{spec.name} {constexprs}", aligned, inline, inline_align, "STG")
 
 
 for spec in (
@@ -207,15 +210,26 @@ for gs, words, pow2 in (
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu"), True, True),
     (GQADecodeSpec(128, 128, "fp16", "fp8e4m3", 0, "portable", "sm90", "gpu"), True, False),
     (GQADecodeSpec(64, 48, "bf16", "fp8e5m2", 0, "portable", "sm90", "gpu"), False, True),
+    (GQADecodeSpec(128, 128, "bf16", "int4", 32, "portable", "sm90", "gpu"), False, True),
 ):
+    scale = "*fp16" if gs.kv == "int4" else "*fp32"
     types = {"q_ptr": PTR[gs.dtype], "k_ptr": GQA_CACHE[gs.kv], "v_ptr": GQA_CACHE[gs.kv]}
-    types |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "block_table_ptr": "*i32"}
+    types |= {"ks_ptr": scale, "vs_ptr": scale, "block_table_ptr": "*i32"}
     types |= {"seqlens_ptr": "*i32", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}
     types["scale_log2"] = "fp32"
     constexprs = {"CAUSAL": False, "BLOCK_H": 16, "BLOCK_N": 64, "NUM_STAGES": 2}
     constexprs |= {"TILE_IN_PAGE": False, "PAGE_POW2": pow2, "V_WORDS": words}
-    compile_fn(gs.name, load(gs).split_kernel, types, constexprs,
-               aligned=("k_ptr", "v_ptr", "stride_k_row", "stride_v_row"))  # fmt: skip
+    fn = load(gs).split_kernel
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}  # (int4: no V_WORDS)
+    strides = [n for n in fn.arg_names if n.startswith(("stride_k_", "stride_v_"))]
+    aligned = compile_fn(gs.name, fn, types, {**constexprs, "ROW_ALIGN": 16},
+                         aligned=("k_ptr", "v_ptr", *strides))  # fmt: skip
+    # vLLM's rows with the scales in their pad bytes (132 bytes: 4-byte aligned; int4's 72:
+    # 8): K and V read no narrower than from 16-byte aligned rows
+    row = 8 if gs.kv == "int4" else 4
+    inline = compile_fn(gs.name, fn, types, {**constexprs, "ROW_ALIGN": row},
+                        aligned=("k_ptr", "v_ptr"))  # fmt: skip
+    no_narrower(f"{gs.name} {constexprs}", aligned, inline, row, "LDG")
 
 # What the wgmma decode's launcher passes as multiples of 16 (Q is copied where it is not)
 WGMMA_ALIGNED = (
