@@ -55,8 +55,10 @@ def tune_cmd(
     jobs: Annotated[
         int,
         opt(
-            "Processes that compile each variant's candidates up front (timing stays serial); "
-            "1: off.",
+            "Processes that compile, before the trials, the candidates the searches visit "
+            "first (the start points and two steps around them, for each class of buckets "
+            "Triton compiles alike; with tpe / grid / random every candidate); timing stays "
+            "serial. 1: off.",
             "--jobs",
             "-j",
             show_default="CPU count - 1",
