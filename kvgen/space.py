@@ -150,11 +150,15 @@ class Space:
         differ only in host parameters."""
         seen, out = set(), []
         for m in self.feasible(spec):
-            key = tuple(v for k, v in m.items() if k not in self.host)
+            key = self.compile_key(m)
             if key not in seen:
                 seen.add(key)
                 out.append(m)
         return out
+
+    def compile_key(self, meta: dict[str, Any]) -> tuple:
+        """What ``meta``'s compiled kernels depend on: its values but the host parameters'."""
+        return tuple(v for k, v in meta.items() if k not in self.host)
 
     def steps(self, a: dict[str, Any], b: dict[str, Any]) -> int:
         """How many one-value steps along the parameters' ordered values lead from ``a`` to
@@ -177,7 +181,7 @@ class Space:
         nearest: dict[tuple, tuple[int, dict[str, Any]]] = {}
         for m in self.feasible(spec):
             d = min(self.steps(m, s) for s in seeds)
-            key = tuple(v for k, v in m.items() if k not in self.host)
+            key = self.compile_key(m)
             if d <= radius and (key not in nearest or d < nearest[key][0]):
                 nearest[key] = (d, m)
         for d, m in nearest.values():
