@@ -3,6 +3,7 @@ its bundled ptxas): run by tests/test_gpu_compile.py in a process without TRITON
 that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on any failure."""
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -96,16 +97,27 @@ compile_fn(
 )
 
 
-def byte_accesses(kernel, op: str = "STG") -> int:
-    """How many global stores (``op`` STG) or loads (LDG) of ``kernel`` move one byte (SASS
-    STG.E.U8 / LDG.E.U8, read with Triton's own nvdisasm)."""
+def sass(kernel) -> str:
+    """``kernel``'s SASS, read with Triton's own nvdisasm."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
-    assert sass.returncode == 0, sass.stderr
-    return sass.stdout.count(f"{op}.E.U8")
+        out = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def byte_accesses(kernel, op: str = "STG") -> int:
+    """How many global stores (``op`` STG) or loads (LDG) of ``kernel`` move one byte (SASS
+    STG.E.U8 / LDG.E.U8)."""
+    return sass(kernel).count(f"{op}.E.U8")
+
+
+def shared_stores(kernel) -> int:
+    """How many shared-memory stores (SASS STS) ``kernel`` has: in a store kernel, the layout
+    conversions the compiler put between its loads and its stores."""
+    return len(re.findall(r"\bSTS\b", sass(kernel)))
 
 
 def no_narrower(label, aligned, inline, inline_align, op):
@@ -128,14 +140,37 @@ def compile_store(spec, types, constexprs, inline_align):
     a thread hold several (before the kernel was told the rows' alignment, a 132-byte row went
     out a byte a store). Pointers 16-byte aligned, as torch allocates; the inline rows' strides
     of unknown divisibility, as Triton sees 132 or 72."""
-    fn = load(spec).store_kernel
+    mod = load(spec)
+    fn = mod.store_kernel
+
+    def align(row_align):  # (and the int8 / fp8 store's VEC, which its launcher derives)
+        vec = {}
+        if hasattr(mod, "vector_of"):
+            rows = constexprs["TOKENS"], constexprs["HEADS"]
+            vec["VEC"] = mod.vector_of(row_align, *rows, num_warps=4)
+        return {**constexprs, "ROW_ALIGN": row_align, **vec}
+
     # separate caches: Triton sees their strides as multiples of 16 itself
     strides = [n for n in fn.arg_names if n.startswith(("stride_kc_", "stride_vc_"))]
-    aligned = compile_fn(spec.name, fn, types, {**constexprs, "ROW_ALIGN": 16},
-                         aligned=[*types, *strides])  # fmt: skip
-    inline = compile_fn(spec.name, fn, types, {**constexprs, "ROW_ALIGN": inline_align},
-                        aligned=types)  # fmt: skip
+    aligned = compile_fn(spec.name, fn, types, align(16), aligned=[*types, *strides])
+    inline = compile_fn(spec.name, fn, types, align(inline_align), aligned=types)
     no_narrower(f"{spec.name} {constexprs}", aligned, inline, inline_align, "STG")
+    no_more_shared(f"{spec.name} {constexprs}", aligned, inline, inline_align)
+
+
+def no_more_shared(label, aligned, inline, inline_align):
+    """Fail if the kernel compiled for ``inline_align``-byte aligned rows moves its values
+    through shared memory more than the one compiled for 16-byte rows: a layout conversion
+    between loads that read 16 bytes a thread and stores that write fewer, with barriers, in
+    every program (the int8 / fp8 store gives both the same channels a thread instead)."""
+    global failures
+    if aligned is None or inline is None:
+        return
+    wide, narrow = shared_stores(aligned), shared_stores(inline)
+    verdict = "FAIL" if narrow > wide else "ok  "
+    failures += narrow > wide
+    print(f"{verdict} {label}: {narrow} shared-memory stores on {inline_align}-byte aligned "
+          f"rows, {wide} on 16")  # fmt: skip
 
 
 for spec in (

@@ -78,6 +78,27 @@ def equal_pieces(width: int, least: int = 64, most: int = 16) -> list[tuple[int,
     return pieces(width)
 
 
+def kv_pieces(head_size: int, head_size_v: int) -> tuple[list, list]:
+    """K's and V's tiles (``equal_pieces``), V's cut to K's tile where K has one tile size that
+    divides V's width (576 / 512: nine and eight tiles of 64, not 512 in one): tiles of one
+    size share one register layout, so K's and V's quantization need no layout conversion
+    between them."""
+    k, v = equal_pieces(head_size), equal_pieces(head_size_v)
+    tiles = {tile for _, tile, _ in k}
+    if len(tiles) == 1 and len(v) == 1 and head_size_v % min(tiles) == 0:
+        tile = min(tiles)
+        v = [(off, tile, tile) for off in range(0, head_size_v, tile)]
+    return k, v
+
+
+def pieces_text(tiles: list[tuple[int, int, int]]) -> str:
+    """Tiles' widths for a docstring: "9 x 64", "64 + 16", "128"."""
+    widths = [tile for _, tile, _ in tiles]
+    if len(widths) > 1 and len(set(widths)) == 1:
+        return f"{len(widths)} x {widths[0]}"
+    return " + ".join(map(str, widths))
+
+
 def amax_groups(tiles: list[tuple[int, int, int]]) -> list[list[int]]:
     """Indices of the tiles of each size, in order of first appearance."""
     groups: dict[int, list[int]] = {}
@@ -174,7 +195,7 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
 
     def derived(self) -> dict[str, Any]:
         fmt = formats.get(self.fmt)
-        k_pieces, v_pieces = equal_pieces(self.head_size), equal_pieces(self.head_size_v)
+        k_pieces, v_pieces = kv_pieces(self.head_size, self.head_size_v)
         return {
             "torch_dtype": _dtypes.SOURCE[self.in_dtype],
             "format_macros": fmt.macros,
@@ -183,6 +204,9 @@ class StoreKVPerTokenHeadSpec(VariantSpec):
             "v_pieces": v_pieces,
             "k_groups": amax_groups(k_pieces),
             "v_groups": amax_groups(v_pieces),
+            "k_pieces_text": pieces_text(k_pieces),
+            "v_pieces_text": pieces_text(v_pieces),
+            "min_tile": min(tile for _, tile, _ in k_pieces + v_pieces),
         }
 
     def default_meta(self, num_tokens: int, num_heads: int, row_align: int = 16) -> dict[str, int]:
