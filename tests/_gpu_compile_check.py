@@ -147,7 +147,7 @@ def compile_store(spec, types, constexprs, inline_align):
         vec = {}
         if hasattr(mod, "vector_of"):
             rows = constexprs["TOKENS"], constexprs["HEADS"]
-            vec["VEC"] = mod.vector_of(row_align, *rows, num_warps=4)
+            vec["VEC"], vec["RUNS"] = mod.vector_of(row_align, *rows, num_warps=4)
         return {**constexprs, "ROW_ALIGN": row_align, **vec}
 
     # separate caches: Triton sees their strides as multiples of 16 itself
