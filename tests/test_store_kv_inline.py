@@ -149,3 +149,38 @@ def test_the_kernel_is_told_the_alignment_the_tuned_bucket_is_keyed_by(fmt):
     odd = raw[1:].view(3, 16, 2, 64)  # starts at an odd byte: nothing wider than a byte
     assert launcher_row_align(odd, odd) == package_row_align(odd, odd) == 1
     assert seen == {16, 4 if fmt == "int8" else 8}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8e4m3"])
+@pytest.mark.parametrize(
+    ("head_size", "tokens", "heads", "warps", "layout"),
+    [
+        (128, 1, 8, 1, (4, 4)),  # a thread: 4 runs of 4 channels, 8 lanes a row
+        (128, 1, 8, 4, (4, 2)),
+        (128, 2, 4, 8, (0, 1)),  # a thread's share is 4 channels: the compiler's layout
+        (72, 8, 8, 1, (4, 4)),  # 64 + a masked 8: the narrow tile holds 2 runs, not 4
+        (80, 2, 8, 1, (4, 2)),  # 64 + 16
+    ],
+)
+def test_every_thread_layout_of_the_store_on_vllm_rows_writes_the_reference_bytes(
+    fmt, head_size, tokens, heads, warps, layout, device, local_target
+):
+    """The int8 / fp8 store on 4-byte aligned rows gives a thread runs of 4 channels (VEC)
+    where it would otherwise load more than it can store: each (VEC, RUNS) the launcher picks,
+    on pieces of one width and of several, writes every byte as the reference does (caches
+    poisoned with 0xFF first, 11 tokens over 8 heads, slots out of order)."""
+    from kvgen.bench.store import kv_store_checker
+    from kvgen.codegen import load
+
+    arch, target = local_target
+    mod = load(StoreKVPerTokenHeadSpec(fmt, head_size, head_size, "bf16", arch, target))
+    assert mod.vector_of(4, tokens, heads, warps) == layout
+    assert mod.vector_of(16, tokens, heads, warps) == (0, 1)
+    shape = (2, 16, 8)  # blocks, page, heads
+    caches = alloc_caches(fmt, 0, shape, head_size, head_size, torch.bfloat16, device, "inline")
+    assert row_align(*caches[:2]) == 4
+    k, v = (torch.randn(11, 8, head_size, device=device).bfloat16() for _ in range(2))
+    slots = torch.randperm(32, device=device)[:11]
+    check = kv_store_checker((k, v, *caches, slots))
+    meta = {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": warps}
+    assert check(lambda *a: mod.launch(*a, **meta))
