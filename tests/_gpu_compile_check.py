@@ -114,10 +114,11 @@ def byte_accesses(kernel, op: str = "STG") -> int:
     return sass(kernel).count(f"{op}.E.U8")
 
 
-def shared_stores(kernel) -> int:
-    """How many shared-memory stores (SASS STS) ``kernel`` has: in a store kernel, the layout
-    conversions the compiler put between its loads and its stores."""
-    return len(re.findall(r"\bSTS\b", sass(kernel)))
+def exchanges(kernel) -> int:
+    """How many shared-memory stores and warp shuffles (SASS STS, SHFL) ``kernel`` has: in a
+    store kernel, the layout conversions the compiler put between its loads and its stores, and
+    the reductions over a row or a scale group split over several lanes."""
+    return len(re.findall(r"\b(?:STS|SHFL)\b", sass(kernel)))
 
 
 def no_narrower(label, aligned, inline, inline_align, op):
@@ -143,34 +144,38 @@ def compile_store(spec, types, constexprs, inline_align):
     mod = load(spec)
     fn = mod.store_kernel
 
-    def align(row_align):  # (and the int8 / fp8 store's VEC, which its launcher derives)
-        vec = {}
+    def align(row_align):  # (and what the launcher derives from it: VEC, RUNS / PIECE)
+        more = {}
         if hasattr(mod, "vector_of"):
             rows = constexprs["TOKENS"], constexprs["HEADS"]
-            vec["VEC"], vec["RUNS"] = mod.vector_of(row_align, *rows, num_warps=4)
-        return {**constexprs, "ROW_ALIGN": row_align, **vec}
+            more["VEC"], more["RUNS"] = mod.vector_of(row_align, *rows, num_warps=4)
+        if hasattr(mod, "piece_of"):
+            more["PIECE"] = mod.piece_of(row_align)
+        return {**constexprs, "ROW_ALIGN": row_align, **more}
 
     # separate caches: Triton sees their strides as multiples of 16 itself
     strides = [n for n in fn.arg_names if n.startswith(("stride_kc_", "stride_vc_"))]
     aligned = compile_fn(spec.name, fn, types, align(16), aligned=[*types, *strides])
     inline = compile_fn(spec.name, fn, types, align(inline_align), aligned=types)
     no_narrower(f"{spec.name} {constexprs}", aligned, inline, inline_align, "STG")
-    no_more_shared(f"{spec.name} {constexprs}", aligned, inline, inline_align)
+    no_more_exchanges(f"{spec.name} {constexprs}", aligned, inline, inline_align)
 
 
-def no_more_shared(label, aligned, inline, inline_align):
-    """Fail if the kernel compiled for ``inline_align``-byte aligned rows moves its values
-    through shared memory more than the one compiled for 16-byte rows: a layout conversion
-    between loads that read 16 bytes a thread and stores that write fewer, with barriers, in
-    every program (the int8 / fp8 store gives both the same channels a thread instead)."""
+def no_more_exchanges(label, aligned, inline, inline_align):
+    """Fail if the kernel compiled for ``inline_align``-byte aligned rows exchanges values
+    between threads (``exchanges``) more than the one compiled for 16-byte rows: where a store
+    can write fewer bytes a thread than a thread loads, the compiler converts between the two
+    layouts through shared memory in every program, or spreads a row or a scale group over more
+    lanes (the stores give a thread the same channels as the loads instead: the int8 / fp8
+    store's VEC and RUNS, the int4 store's PIECE)."""
     global failures
     if aligned is None or inline is None:
         return
-    wide, narrow = shared_stores(aligned), shared_stores(inline)
+    wide, narrow = exchanges(aligned), exchanges(inline)
     verdict = "FAIL" if narrow > wide else "ok  "
     failures += narrow > wide
-    print(f"{verdict} {label}: {narrow} shared-memory stores on {inline_align}-byte aligned "
-          f"rows, {wide} on 16")  # fmt: skip
+    print(f"{verdict} {label}: {narrow} shared-memory stores and shuffles on {inline_align}-byte "
+          f"aligned rows, {wide} on 16")  # fmt: skip
 
 
 for spec in (
@@ -199,8 +204,10 @@ for spec in (
         "slot_ptr": "*i64",
     }
     if isinstance(spec, StoreKVInt4Spec):  # scale groups a program, 64-bit unit indices
+        # (72-byte rows at head 128 are 8-byte aligned, 324-byte rows at 576 only 4)
         for units, wide in ((32, False), (256, False), (64, True)):
             compile_store(spec, types, {"UNITS": units, "WIDE": wide}, 8)
+            compile_store(spec, types, {"UNITS": units, "WIDE": wide}, 4)
         continue
     for tokens, heads in ((1, 8), (4, 2), (1, 1)):
         compile_store(spec, types, {"TOKENS": tokens, "HEADS": heads}, 4)

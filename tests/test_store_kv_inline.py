@@ -184,3 +184,25 @@ def test_every_thread_layout_of_the_store_on_vllm_rows_writes_the_reference_byte
     check = kv_store_checker((k, v, *caches, slots))
     meta = {"tokens_per_program": tokens, "heads_per_program": heads, "num_warps": warps}
     assert check(lambda *a: mod.launch(*a, **meta))
+
+
+@pytest.mark.parametrize(("head_size", "align", "piece"), [(128, 8, 8), (576, 4, 4)])
+def test_the_int4_store_on_vllm_rows_writes_the_reference_bytes(
+    head_size, align, piece, device, local_target
+):
+    """int4 rows with their scales inline: 72 bytes at head 128 (8-byte aligned, a thread
+    stores 8 bytes of a group at a time) and 324 at 576 (4-byte aligned: pieces of 4 bytes,
+    ``piece_of``). Every byte as the reference writes it, caches poisoned with 0xFF first."""
+    from kvgen.bench.store import kv_store_checker
+    from kvgen.codegen import load
+
+    arch, target = local_target
+    mod = load(StoreKVInt4Spec(32, head_size, head_size, "bf16", arch, target))
+    caches = alloc_caches("int4", 32, (2, 16, 2), head_size, head_size, torch.bfloat16, device,
+                          "inline")  # fmt: skip
+    assert row_align(*caches[:2]) == align and mod.piece_of(align) == piece
+    assert mod.piece_of(16) == 8
+    k, v = (torch.randn(9, 2, head_size, device=device).bfloat16() for _ in range(2))
+    check = kv_store_checker((k, v, *caches, torch.randperm(32, device=device)[:9]))
+    for units in (32, 256):  # a group a lane; more groups than the tile's lanes
+        assert check(lambda *a, u=units: mod.launch(*a, units_per_program=u, num_warps=1))
