@@ -63,6 +63,12 @@ def mxfp4_rope_store_and_gather() -> None:
 
 
 def per_token_head_stores() -> None:
+    """Each store into guarded caches: HND views, and vLLM's rows with the scales in their pad
+    bytes (``inline``: 4-byte aligned int8 / fp8 rows, 8-byte int4 rows at head 128 and 4-byte
+    ones at 576), through the op and, on those rows, through the launcher at the thread layouts
+    they take (the int8 / fp8 store's runs of 4 channels: RUNS 2 and 4)."""
+    from kvgen.families.per_token_head import StoreKVInt4Spec
+
     specs = [
         s
         for s in registry.variants(*runtime.local_target())
@@ -71,15 +77,28 @@ def per_token_head_stores() -> None:
         and (s.head_size, s.head_size_v) in ((128, 128), (576, 512))
         and getattr(s, "channels", 32) == 32
     ]
+    cases = [(spec, "hnd", None) for spec in specs]
     for spec in specs:
-        op = (
-            triton_reshape_and_cache_flash_int4_per_token_head
-            if spec.family == "store_kv_int4_per_token_head"
-            else triton_reshape_and_cache_flash_per_token_head_quant
-        )
-        caches = make_kv_caches(spec, 6, 8, 2, DEV, layout="hnd")
-        expected = [c.backing.cpu().clone() for c in caches]
-        want = [c.rebuild(b) for c, b in zip(caches, expected, strict=True)]
+        if spec.head_size == spec.head_size_v:
+            cases.append((spec, "inline", None))
+            if spec.family == "store_kv_per_token_head":
+                for tokens in (1, 2):  # 2 heads a program on 1 warp: RUNS 2, 4
+                    meta = {"tokens_per_program": tokens, "heads_per_program": 2, "num_warps": 1}
+                    cases.append((spec, "inline", meta))
+    int4_576 = StoreKVInt4Spec(32, 576, 576, "bf16", *runtime.local_target())
+    cases.append((int4_576, "inline", {"units_per_program": 32, "num_warps": 1}))
+    for spec, layout, meta in cases:
+        if meta is None:
+            op = (
+                triton_reshape_and_cache_flash_int4_per_token_head
+                if spec.family == "store_kv_int4_per_token_head"
+                else triton_reshape_and_cache_flash_per_token_head_quant
+            )
+        else:
+            op = functools.partial(load(spec).launch, **meta)
+        caches = make_kv_caches(spec, 6, 8, 2, DEV, layout=layout)
+        expected = {id(c.backing): c.backing.cpu().clone() for c in caches}  # (inline: one)
+        want = [c.rebuild(expected[id(c.backing)]) for c in caches]
         key = torch.randn(20, 2, spec.head_size, device=DEV).to(torch.bfloat16)
         value = torch.randn(20, 2, spec.head_size_v, device=DEV).to(torch.bfloat16)
         key[3, 0, 5], key[7, 1, 0] = float("nan"), float("inf")  # (FORMATS: non-finite input)
@@ -87,9 +106,11 @@ def per_token_head_stores() -> None:
         slots = make_slots(20, 48, DEV)
         op(key, value, *[c.view for c in caches], slots)
         pth.store(key.cpu(), value.cpu(), *want, slots.cpu())
-        same = all(torch.equal(c.backing.cpu(), e) for c, e in zip(caches, expected, strict=True))
-        check(spec.name, same)
-        gather_kv_per_token_head(*[c.view for c in caches], slots, spec.head_size, spec.head_size_v)
+        same = all(torch.equal(c.backing.cpu(), expected[id(c.backing)]) for c in caches)
+        check(f"{spec.name} {layout}{'' if meta is None else f' {meta}'}", same)
+        if meta is None:
+            views = [c.view for c in caches]
+            gather_kv_per_token_head(*views, slots, spec.head_size, spec.head_size_v)
 
 
 def mla_cache_stores() -> None:

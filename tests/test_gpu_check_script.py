@@ -73,3 +73,25 @@ def test_an_error_or_a_missing_summary_fails_the_script(tmp_path, bad, short, ex
     proc, report = run(tmp_path, bad=bad, short=short)
     assert proc.returncode != 0
     assert expect in proc.stdout
+
+
+def test_the_store_section_checks_vllm_inline_rows_and_every_thread_layout_on_them():
+    """scripts/gpu_check.py's per-token-head section (what the sanitizer runs) under the
+    interpreter: every store it lists writes the reference's bytes, on HND views and on vLLM's
+    inline-scale rows, through the op and at the int8 / fp8 store's RUNS 2 and 4 and the int4
+    store's 4-byte pieces (324-byte rows)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "scripts/gpu_check.py"), "per_token_head_stores"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "all ok" and not [x for x in lines if x.startswith("FAIL")]
+    inline = [x for x in lines if " inline" in x]
+    assert any("int8-d128" in x and "'tokens_per_program': 2" in x for x in inline)
+    assert any("int4_per_token_head-c32-d576-dv576" in x for x in inline)
+    assert len(inline) == 11  # int8, e4m3, e5m2 x (op, RUNS 2, RUNS 4); int4 at 128 and 576

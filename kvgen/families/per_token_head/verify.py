@@ -20,9 +20,13 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
 
     ``nhd``: [num_blocks, block_size, heads, head]; ``hnd``: memory [num_blocks, heads,
     block_size, head] passed as a permuted view; ``kv_split``: K and V as the two halves of one
-    [num_blocks, 2, block_size, heads, head] allocation (needs equal K and V widths).
-    ``joint_scales``: both scale caches as strided views into one allocation.
-    Returns (key_cache, value_cache, k_scales, v_scales) as GuardedCache objects.
+    [num_blocks, 2, block_size, heads, head] allocation (needs equal K and V widths);
+    ``inline``: vLLM's allocation with the scales in each row's pad bytes, one [num_blocks, 2,
+    block_size, heads, codes + scale bytes] byte allocation that all four caches view (needs
+    equal K and V widths, and int8 / fp8 codes a multiple of 4 bytes: the fp32 scale follows
+    them). ``joint_scales``: both scale caches as strided views into one allocation.
+    Returns (key_cache, value_cache, k_scales, v_scales) as GuardedCache objects (with
+    ``inline``, all on one backing buffer).
     """
     from kvgen.families.per_token_head import spec_format
 
@@ -36,6 +40,8 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
             fmt.scales_per_row(spec.head_size_v, group),
         )
     nb, bs, h = num_blocks, block_size, heads
+    if layout == "inline":
+        return _inline_caches(spec, fmt, widths, groups, (nb, bs, h), device)
     if layout == "kv_split":
         if widths[0] != widths[1]:
             raise ValueError("kv_split needs equal K and V widths")
@@ -60,6 +66,25 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
         ks = guarded((nb, bs, h, groups[0]), scale_dtype, device)
         vs = guarded((nb, bs, h, groups[1]), scale_dtype, device)
     return kc, vc, ks, vs
+
+
+def _inline_caches(spec, fmt, widths, groups, shape, device):
+    """``make_kv_caches``'s ``inline`` layout."""
+    if spec.head_size != spec.head_size_v:
+        raise ValueError("the inline layout needs head_size_v == head_size")
+    nb, bs, h = shape
+    codes = widths[0] + widths[0] % 2 if groups else widths[0]
+    if not groups and codes % 4:
+        raise ValueError("the inline layout needs int8 / fp8 rows of a multiple of 4 codes")
+    scale_bytes = 2 * groups[0] if groups else 4
+    raw = guarded((nb, 2, bs, h, codes + scale_bytes), torch.uint8, device)
+    halves = [raw.view[:, i] for i in (0, 1)]
+    caches = [GuardedCache(raw.backing, x[..., : widths[0]].view(fmt.code_dtype)) for x in halves]
+    if groups:  # fp16 scales after the (even) codes
+        scales = [x.view(fmt.scale_dtype)[..., codes // 2 :] for x in halves]
+    else:  # one fp32 scale after the codes
+        scales = [x.view(fmt.scale_dtype)[..., codes // 4] for x in halves]
+    return (*caches, *(GuardedCache(raw.backing, s) for s in scales))
 
 
 def _with(row: torch.Tensor, values: dict[int, float]) -> torch.Tensor:
