@@ -3,7 +3,8 @@
 #   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
 #   scripts/gpu_session.sh tune [S] a cold kvgen tune --arch sm90 (every default study) for at
-#                                  most S seconds (default 540), its log and JSON under $out;
+#                                  most S seconds (default 540), its log and JSON (one tar,
+#                                  tuned-sm90.tar: a device call brings back 8 files) under $out;
 #                                  the studies live in build/tune/sm90.journal (copied to $out
 #                                  too), so the same command on the same machine, or on another
 #                                  with that file in build/tune/, resumes where the last one
@@ -45,10 +46,12 @@ case "${1:-tests}" in
     mkdir -p build/tune
     start=$(date +%s)
     # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
-    python3 -P -m kvgen tune --arch sm90 --storage build/tune/sm90.journal --out "$out/tuned" \
+    tuned=/tmp/kvgen-tuned  # (one JSON a family: more files than a device call brings back)
+    python3 -P -m kvgen tune --arch sm90 --storage build/tune/sm90.journal --out "$tuned" \
       --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
     echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
+    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-sm90.tar" sm90
     # the studies come back with the results: put the file in build/tune/ of the next
     # machine's checkout (e.g. a carried folder) to resume there
     cp build/tune/sm90.journal "$out/" 2>/dev/null || true
