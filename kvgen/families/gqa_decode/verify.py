@@ -15,10 +15,6 @@ from kvgen.verify import Result, block_table, compare_attention
 LAYOUTS = ("nhd", "hnd", "inline")
 
 
-def _round_up(n: int, m: int) -> int:
-    return cdiv(n, m) * m
-
-
 def alloc_caches(kv, group, shape, d, dv, dtype, device, layout):
     """(k_cache, v_cache, k_scales, v_scales) for ``shape`` = (blocks, page, kv_heads), empty
     (0xFF bytes where quantized: what was never written reads as NaN / -1 codes)."""
@@ -32,25 +28,16 @@ def alloc_caches(kv, group, shape, d, dv, dtype, device, layout):
         code_dtype, widths = _dtypes.CACHE[kv], (d, dv)
         scale = (torch.float32, (None, None))
     if layout == "inline":  # vLLM: (blocks, 2, page, heads, row) bytes, K and V the two halves
+        from kvgen.families.per_token_head.verify import inline_row, inline_views
+
         if kv == "auto" or d != dv:
             raise ValueError(
                 "the inline layout holds quantized caches with head_size_v == head_size"
             )
-        if kv == "int4":
-            codes = _round_up(widths[0], 2)
-            row = codes + 2 * scale[1][0]
-        else:
-            codes = widths[0]
-            row = codes + 4
+        groups = scale[1][0]
+        _, row = inline_row(widths[0], groups)
         raw = torch.full((blocks, 2, page, h, row), 0xFF, dtype=torch.uint8, device=device)
-        caches = [raw[:, i, ..., : widths[0]].view(code_dtype) for i in (0, 1)]
-        if kv == "int4":
-            halves = raw.view(torch.float16)
-            scales = [halves[:, i, ..., codes // 2 :] for i in (0, 1)]
-        else:
-            words = raw.view(torch.float32)
-            scales = [words[:, i, ..., codes // 4] for i in (0, 1)]
-        return (*caches, *scales)
+        return inline_views(raw, widths[0], groups, code_dtype, scale[0])
 
     def make(width, dt):  # 0xFF bytes, in the layout's memory order
         mem = (blocks, h, page, *width) if layout == "hnd" else (blocks, page, h, *width)

@@ -68,23 +68,38 @@ def make_kv_caches(spec, num_blocks, block_size, heads, device, layout="nhd", jo
     return kc, vc, ks, vs
 
 
+def inline_row(codes: int, scales: int | None) -> tuple[int, int]:
+    """(where the scales start, row bytes) of vLLM's inline-scale rows: ``codes`` bytes of
+    codes, then ``scales`` fp16 group scales (int4: the codes padded to an even count), or one
+    fp32 scale (``scales`` None: int8 / fp8, whose codes must then be a multiple of 4 bytes)."""
+    if scales is None:
+        if codes % 4:
+            raise ValueError("the inline layout needs int8 / fp8 rows of a multiple of 4 codes")
+        return codes, codes + 4
+    start = codes + codes % 2
+    return start, start + 2 * scales
+
+
+def inline_views(raw: torch.Tensor, codes: int, scales: int | None, code_dtype, scale_dtype):
+    """(k_cache, v_cache, k_scales, v_scales) as views of ``raw``, vLLM's [blocks, 2, page,
+    heads, row] byte allocation of inline-scale rows (``inline_row``)."""
+    start, _ = inline_row(codes, scales)
+    halves = [raw[:, i] for i in (0, 1)]
+    caches = [x[..., :codes].view(code_dtype) for x in halves]
+    if scales is None:  # one fp32 scale after the codes
+        return (*caches, *(x.view(scale_dtype)[..., start // 4] for x in halves))
+    return (*caches, *(x.view(scale_dtype)[..., start // 2 :] for x in halves))
+
+
 def _inline_caches(spec, fmt, widths, groups, shape, device):
-    """``make_kv_caches``'s ``inline`` layout."""
+    """``make_kv_caches``'s ``inline`` layout: the four caches on one guarded buffer."""
     if spec.head_size != spec.head_size_v:
         raise ValueError("the inline layout needs head_size_v == head_size")
-    nb, bs, h = shape
-    codes = widths[0] + widths[0] % 2 if groups else widths[0]
-    if not groups and codes % 4:
-        raise ValueError("the inline layout needs int8 / fp8 rows of a multiple of 4 codes")
-    scale_bytes = 2 * groups[0] if groups else 4
-    raw = guarded((nb, 2, bs, h, codes + scale_bytes), torch.uint8, device)
-    halves = [raw.view[:, i] for i in (0, 1)]
-    caches = [GuardedCache(raw.backing, x[..., : widths[0]].view(fmt.code_dtype)) for x in halves]
-    if groups:  # fp16 scales after the (even) codes
-        scales = [x.view(fmt.scale_dtype)[..., codes // 2 :] for x in halves]
-    else:  # one fp32 scale after the codes
-        scales = [x.view(fmt.scale_dtype)[..., codes // 4] for x in halves]
-    return (*caches, *(GuardedCache(raw.backing, s) for s in scales))
+    scales = groups[0] if groups else None
+    _, row = inline_row(widths[0], scales)
+    raw = guarded((*shape[:1], 2, *shape[1:], row), torch.uint8, device)
+    views = inline_views(raw.view, widths[0], scales, fmt.code_dtype, fmt.scale_dtype)
+    return tuple(GuardedCache(raw.backing, v) for v in views)
 
 
 def _with(row: torch.Tensor, values: dict[int, float]) -> torch.Tensor:
