@@ -1,0 +1,528 @@
+"""Experiment: the fp8_ds_mla MLA decode with the keys as the MMA's rows (sm90, Gluon).
+
+The wgmma decode (mla_decode_wgmma) pads the query heads to the MMA's 64 rows: at 16 heads
+4x the MMA work, Q re-read from shared memory every tile, and the dequantized K written to
+shared memory and handed between warpgroups. Here the roles are swapped:
+
+    S^T [64 keys, H] = K [64 keys, 576] . Q^T          (A = K, dequantized into registers)
+    O^T [512, H]    += V^T [512, 64 keys] . P^T         (A = V^T, dequantized into registers)
+
+so H (16 or 32 heads) is the MMA's N, the codes go from the staged bytes straight into the
+MMAs' A registers (e4m3 pairs by one cvt.rn.f16x2.e4m3x2 each, fp16 MMAs), and nothing but P
+is written to shared memory. The order of a contraction's terms is free, so each MMA's K
+index is permuted to what a thread can load in one piece: a thread's channels of a key are 16
+contiguous bytes for S (Q^T's rows are permuted to match, once a program), and 4 for V^T (a
+scale tile's channels of 4 keys). The fp8_ds_mla scales stay out of the MMAs: S = sum over
+the four 128-channel tiles of scale_t * (codes_t . q), and P is multiplied by
+scale_t / (the running largest scale_t), the O accumulator of tile t rescaled when that grows,
+as the softmax's running max is. Q goes to fp16 scaled by a power of two per head (exact for
+every bf16 value within 2^24 of the head's largest).
+
+One program a (sequence, split) with 4 warps; page 64 (a tile is a page, by TMA); s_q 1; no
+causal rows. A split's partial (out, lse) are merged by a small Triton kernel.
+
+    python benchmarks/proto_keys_as_rows.py [--heads 16,32] [--splits 2] [--bufs 2] [--async 0,1]
+        [--json F]
+
+It times the kernel beside kvgen's bf16 decode (over the bf16 cache the fp8_ds_mla one was
+stored from) and its wgmma fp8_ds_mla decode, in one process, and checks each against a float64
+reference over the dequantized cache (the bf16 row's error is therefore the quantization's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+PAGE = gl.constexpr(64)  # keys a tile, = the page
+ROW = 656  # fp8_ds_mla's record: 512 codes, 4 fp32 scales, 64 bf16 RoPE channels
+
+
+@gluon.constexpr_function
+def mma_layout(n, warps):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                     instr_shape=[16, n, 16])  # fmt: skip
+
+
+@gluon.constexpr_function
+def a_layout(n):
+    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(n, 4), k_width=2)
+
+
+# A thread (warp w, lane 4g + c) of the S MMA's A operand holds keys 16w + g (+ 8): as staged
+# words [64 keys, 32 words] (a scale tile's 128 codes), words 8c .. 8c + 7 of those keys.
+K_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 32],
+    )
+)
+# The V^T MMA's A operand: thread (w, 4g + c) holds channel word 8w + g (channels
+# 4(8w + g) .. + 3 of the scale tile) of keys 2c, 2c + 1 (+ 8, + 16, + 32, ...).
+V_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 8], [0, 16]],
+        block_bases=[],
+        shape=[64, 32],
+    )
+)
+
+
+@gluon.jit
+def e4m3_quads(w):
+    """The four e4m3fn codes of each word as fp16 (exact)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 a, b;
+        .reg .b32 f0, f1;
+        mov.b32 {a, b}, $4;
+        cvt.rn.f16x2.e4m3x2 f0, a;
+        cvt.rn.f16x2.e4m3x2 f1, b;
+        mov.b32 {$0, $1}, f0;
+        mov.b32 {$2, $3}, f1;
+        }""",
+        "=h,=h,=h,=h,r",
+        [w],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def e4m3_key_pairs(w0, w1):
+    """Byte q of word w0 and of word w1 (the same channel of two keys) as fp16, q = 0..3:
+    (q0 w0, q0 w1, q1 w0, q1 w1, ...)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b16 a, b, c, d;
+        .reg .b32 r0, r1, f;
+        prmt.b32 r0, $8, $9, 0x5140;
+        prmt.b32 r1, $8, $9, 0x7362;
+        mov.b32 {a, b}, r0;
+        mov.b32 {c, d}, r1;
+        cvt.rn.f16x2.e4m3x2 f, a;
+        mov.b32 {$0, $1}, f;
+        cvt.rn.f16x2.e4m3x2 f, b;
+        mov.b32 {$2, $3}, f;
+        cvt.rn.f16x2.e4m3x2 f, c;
+        mov.b32 {$4, $5}, f;
+        cvt.rn.f16x2.e4m3x2 f, d;
+        mov.b32 {$6, $7}, f;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        [w0, w1],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def k_operand(codes, H: gl.constexpr):
+    """A scale tile's codes [64 keys, 32 words] as the S MMA's A operand [64, 128] fp16, its
+    column j = 16s + 8p + 2c + e holding channel 32c + 4s + 2p + e."""
+    w = codes.load(K_WORDS)
+    e0, e1, e2, e3 = e4m3_quads(w)
+    x = gl.join(gl.join(e0, e1), gl.join(e2, e3))  # [key, word, e, p]
+    x = x.reshape([64, 4, 8, 2, 2]).permute((0, 2, 4, 1, 3)).reshape([64, 128])
+    return gl.convert_layout(x, a_layout(H))
+
+
+@gluon.jit
+def v_operand(codes, H: gl.constexpr):
+    """A scale tile's codes as the V^T MMA's A operand [128, 64 keys] fp16: row
+    64 sub + 16w + 8h + g holds channel 32w + 4g + 2 sub + h."""
+    w = codes.load(V_WORDS)
+    w0, w1 = gl.split(w.reshape([32, 2, 32]).permute((0, 2, 1)))  # keys 2kk, 2kk + 1
+    a0, b0, a1, b1, a2, b2, a3, b3 = e4m3_key_pairs(w0, w1)
+    # byte q = 2 sub + h; [kk, word, e, h] a sub
+    s0 = gl.join(gl.join(a0, b0), gl.join(a1, b1))
+    s1 = gl.join(gl.join(a2, b2), gl.join(a3, b3))
+    x = gl.join(s0, s1)  # [kk, word, e, h, sub]; word = 8w + g
+    x = x.reshape([32, 4, 8, 2, 2, 2]).permute((5, 1, 4, 2, 0, 3)).reshape([128, 64])
+    return gl.convert_layout(x, a_layout(H))
+
+
+@gluon.jit
+def issue_tile(descs, bufs, bar, row):
+    codes_desc, scale_desc, rope_desc = descs
+    codes_s, first, scale_s, rope_s = bufs
+    mbarrier.expect(bar, 4 * 64 * 128 + 64 * 16 + 64 * 128)
+    for t in gl.static_range(4):
+        tma.async_copy_global_to_shared(codes_desc, [row, 32 * t], bar, codes_s.index(first + t))
+    tma.async_copy_global_to_shared(scale_desc, [row, 128], bar, scale_s)
+    tma.async_copy_global_to_shared(rope_desc, [row, 264], bar, rope_s)
+
+
+@gluon.jit
+def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+                        stride_qb, stride_tb, scale_log2, codes_desc, scale_desc, rope_desc,
+                        H: gl.constexpr, SPLITS: gl.constexpr, NUM_BUF: gl.constexpr,
+                        ASYNC: gl.constexpr):  # fmt: skip
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    seqlen = gl.load(seqlens_ptr + b)
+    tiles = (seqlen + PAGE - 1) // PAGE
+    per = (tiles + SPLITS - 1) // SPLITS
+    t_lo = split * per
+    t_hi = gl.minimum(t_lo + per, tiles)
+    n_tiles = gl.maximum(t_hi - t_lo, 0)
+
+    S_L: gl.constexpr = mma_layout(H, 4)
+    KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+    HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+
+    # --- Q: fp16, scaled by 2^-e per head, its latent channels permuted as k_operand's
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
+    ch = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q_base = q_ptr + b.to(gl.int64) * stride_qb + hq[:, None] * 576
+    q_lat = gl.load(q_base + ch[None, :]).to(gl.float32)
+    top = gl.max(gl.abs(q_lat), axis=1)
+    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - 14  # top < 2^(expo+14)
+    expo = gl.minimum(gl.maximum(expo, -100), 100)
+    q_scale = ((127 - expo) << 23).to(gl.float32, bitcast=True)  # 2^-expo
+    q_unscale = ((127 + expo) << 23).to(gl.float32, bitcast=True)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 128], gl.float16)
+    q_s = gl.allocate_shared_memory(gl.float16, [4, H, 128], q_sl)
+    jj = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    perm = 32 * ((jj >> 1) & 3) + 4 * (jj >> 4) + 2 * ((jj >> 3) & 1) + (jj & 1)
+    for t in gl.static_range(4):
+        x = gl.load(q_base + 128 * t + perm[None, :]).to(gl.float32) * q_scale[:, None]
+        q_s.index(t).store(x.to(gl.float16))
+    RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    hr = gl.arange(0, H, layout=gl.SliceLayout(1, RL))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, RL))
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.bfloat16)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [H, 64], qr_sl)
+    qr_s.store(gl.load(q_ptr + b.to(gl.int64) * stride_qb + hr[:, None] * 576 + 512 + cr[None, :]))
+    q_unscale = gl.convert_layout(q_unscale, HEADS)
+
+    # --- the staging ring (TMA) and P
+    codes_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
+    codes_s = gl.allocate_shared_memory(gl.int32, [NUM_BUF * 4, 64, 32], codes_sl)
+    scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
+    scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.float16)
+    p_s = gl.allocate_shared_memory(gl.float16, [4, H, 64], p_sl)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    descs = (codes_desc, scale_desc, rope_desc)
+    pages = table_ptr + b.to(gl.int64) * stride_tb
+    for i in gl.static_range(NUM_BUF - 1):
+        if i < n_tiles:
+            page = gl.load(pages + t_lo + i)
+            bufs = (codes_s, 4 * i, scale_s.index(i), rope_s.index(i))
+            issue_tile(descs, bufs, ready.index(i), page * PAGE)
+
+    SC_L: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 4],
+    )
+    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    key = gl.arange(0, 64, layout=KEYS)
+    O_L: gl.constexpr = S_L
+    o0 = gl.zeros([128, H], gl.float32, O_L)
+    o1 = gl.zeros([128, H], gl.float32, O_L)
+    o2 = gl.zeros([128, H], gl.float32, O_L)
+    o3 = gl.zeros([128, H], gl.float32, O_L)
+    top0 = 0.0
+    top1 = 0.0
+    top2 = 0.0
+    top3 = 0.0
+    m_i = gl.full([H], -float("inf"), gl.float32, HEADS)
+    l_p = gl.zeros([64, H], gl.float32, S_L)  # each thread's share of the sums
+    a_rope: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
+    for i in range(n_tiles):
+        stage = i % NUM_BUF
+        mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
+        c0 = 4 * stage
+        n_valid = seqlen - (t_lo + i) * PAGE
+        valid = key < n_valid
+        sc = scale_s.index(stage).load(SC_L)
+        sc = gl.where((gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L)) < n_valid)[:, None], sc,
+                      0.0)  # fmt: skip
+        zero = gl.zeros([64, H], gl.float32, S_L)
+        # the four power-of-two scales of a key as one word of exponent bytes (one layout
+        # conversion, not four; a NaN scale becomes +inf, which still makes the tile NaN)
+        ex = (sc.to(gl.int32, bitcast=True) >> 23) << (8 * sc_cols[None, :])
+        ex = gl.convert_layout(gl.sum(ex, axis=1), KEYS)
+        sc0 = ((ex & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        if ASYNC:  # each A operand built while the MMA before it runs
+            ar = rope_s.index(stage).load(a_rope)
+            s = warpgroup_mma(ar, qr_s.permute((1, 0)), zero, is_async=True)
+            ka = k_operand(codes_s.index(c0 + 0), H)
+            p0 = warpgroup_mma(ka, q_s.index(0).permute((1, 0)), zero, is_async=True)
+            s, ar = warpgroup_mma_wait(1, deps=[s, ar])
+            kb = k_operand(codes_s.index(c0 + 1), H)
+            p1 = warpgroup_mma(kb, q_s.index(1).permute((1, 0)), zero, is_async=True)
+            p0, ka = warpgroup_mma_wait(1, deps=[p0, ka])
+            ka = k_operand(codes_s.index(c0 + 2), H)
+            p2 = warpgroup_mma(ka, q_s.index(2).permute((1, 0)), zero, is_async=True)
+            p1, kb = warpgroup_mma_wait(1, deps=[p1, kb])
+            kb = k_operand(codes_s.index(c0 + 3), H)
+            p3 = warpgroup_mma(kb, q_s.index(3).permute((1, 0)), zero, is_async=True)
+            p2, ka = warpgroup_mma_wait(1, deps=[p2, ka])
+            p3, kb = warpgroup_mma_wait(0, deps=[p3, kb])
+            lat = p0 * sc0[:, None] + p1 * sc1[:, None] + p2 * sc2[:, None] + p3 * sc3[:, None]
+        else:
+            s = warpgroup_mma(rope_s.index(stage).load(a_rope), qr_s.permute((1, 0)), zero)
+            part = warpgroup_mma(
+                k_operand(codes_s.index(c0 + 0), H), q_s.index(0).permute((1, 0)), zero
+            )
+            lat = part * sc0[:, None]
+            part = warpgroup_mma(
+                k_operand(codes_s.index(c0 + 1), H), q_s.index(1).permute((1, 0)), zero
+            )
+            lat += part * sc1[:, None]
+            part = warpgroup_mma(
+                k_operand(codes_s.index(c0 + 2), H), q_s.index(2).permute((1, 0)), zero
+            )
+            lat += part * sc2[:, None]
+            part = warpgroup_mma(
+                k_operand(codes_s.index(c0 + 3), H), q_s.index(3).permute((1, 0)), zero
+            )
+            lat += part * sc3[:, None]
+        z = (lat * q_unscale[None, :] + s) * scale_log2
+        z = gl.where(valid[:, None], z, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(z, axis=0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(z - m_new[None, :])
+        l_p = l_p * alpha[None, :] + p
+        m_i = m_new
+        tops = gl.max(sc, axis=0)  # [4]: each scale tile's largest scale in this tile
+        new0 = gl.maximum(top0, gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0))
+        new1 = gl.maximum(top1, gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0))
+        new2 = gl.maximum(top2, gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0))
+        new3 = gl.maximum(top3, gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0))
+        p_s.index(0).store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
+        p_s.index(1).store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
+        p_s.index(2).store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
+        p_s.index(3).store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's P in, every warp done with the stage read last
+        nxt = i + NUM_BUF - 1
+        if nxt < n_tiles:
+            ns = nxt % NUM_BUF
+            page = gl.load(pages + t_lo + nxt)
+            bufs = (codes_s, 4 * ns, scale_s.index(ns), rope_s.index(ns))
+            issue_tile(descs, bufs, ready.index(ns), page * PAGE)
+        f0 = (alpha * (top0 / new0))[None, :]
+        f1 = (alpha * (top1 / new1))[None, :]
+        f2 = (alpha * (top2 / new2))[None, :]
+        f3 = (alpha * (top3 / new3))[None, :]
+        if ASYNC:
+            va = v_operand(codes_s.index(c0 + 0), H)
+            o0 = warpgroup_mma(va, p_s.index(0).permute((1, 0)), o0 * f0, is_async=True)
+            vb = v_operand(codes_s.index(c0 + 1), H)
+            o1 = warpgroup_mma(vb, p_s.index(1).permute((1, 0)), o1 * f1, is_async=True)
+            o0, va = warpgroup_mma_wait(1, deps=[o0, va])
+            va = v_operand(codes_s.index(c0 + 2), H)
+            o2 = warpgroup_mma(va, p_s.index(2).permute((1, 0)), o2 * f2, is_async=True)
+            o1, vb = warpgroup_mma_wait(1, deps=[o1, vb])
+            vb = v_operand(codes_s.index(c0 + 3), H)
+            o3 = warpgroup_mma(vb, p_s.index(3).permute((1, 0)), o3 * f3, is_async=True)
+            o2, va = warpgroup_mma_wait(1, deps=[o2, va])
+            o3, vb = warpgroup_mma_wait(0, deps=[o3, vb])
+        else:
+            o0 = warpgroup_mma(
+                v_operand(codes_s.index(c0 + 0), H), p_s.index(0).permute((1, 0)), o0 * f0
+            )
+            o1 = warpgroup_mma(
+                v_operand(codes_s.index(c0 + 1), H), p_s.index(1).permute((1, 0)), o1 * f1
+            )
+            o2 = warpgroup_mma(
+                v_operand(codes_s.index(c0 + 2), H), p_s.index(2).permute((1, 0)), o2 * f2
+            )
+            o3 = warpgroup_mma(
+                v_operand(codes_s.index(c0 + 3), H), p_s.index(3).permute((1, 0)), o3 * f3
+            )
+        top0 = new0
+        top1 = new1
+        top2 = new2
+        top3 = new3
+        if ASYNC:
+            gl.thread_barrier()  # (P read by the MMAs before the next tile's stores)
+
+    # --- partial out (normalised) and lse (log2) of this split
+    l_i = gl.sum(l_p, axis=0)
+    inv_l = gl.where(l_i > 0.0, 1.0 / l_i, 0.0)
+    lse2 = gl.where(l_i > 0.0, m_i + gl.log2(l_i), -float("inf"))
+    heads = gl.arange(0, H, layout=HEADS)
+    mo = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
+    # row 64 sub + 16w + 8h + g -> channel 32w + 4g + 2 sub + h of the scale tile
+    chan = 32 * ((mo >> 4) & 3) + 4 * (mo & 7) + 2 * (mo >> 6) + ((mo >> 3) & 1)
+    base = o_part_ptr + ((b * SPLITS + split).to(gl.int64) * H + heads[None, :]) * 512
+    gl.store(base + chan[:, None], o0 * (top0 * inv_l)[None, :])
+    gl.store(base + 128 + chan[:, None], o1 * (top1 * inv_l)[None, :])
+    gl.store(base + 256 + chan[:, None], o2 * (top2 * inv_l)[None, :])
+    gl.store(base + 384 + chan[:, None], o3 * (top3 * inv_l)[None, :])
+    gl.store(lse_part_ptr + (b * SPLITS + split) * H + heads, lse2)
+
+
+@triton.jit
+def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, H: tl.constexpr,
+                   SPLITS: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    lse = tl.load(lse_part_ptr + (b * SPLITS + sp) * H + h)
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse == -float("inf"), 0.0, tl.exp2(lse - top))
+    total = tl.sum(w, axis=0)
+    d = tl.arange(0, 512)
+    o = tl.load(o_part_ptr + ((b * SPLITS + sp[:, None]) * H + h) * 512 + d[None, :])
+    out = tl.sum(o * (w / total)[:, None], axis=0)
+    tl.store(out_ptr + (b * H + h) * 512 + d, out.to(tl.bfloat16))
+    tl.store(lse_ptr + b * H + h, (top + tl.log2(total)) / 1.4426950408889634)
+
+
+def descriptors(cache: torch.Tensor):
+    rows = cache.reshape(-1, ROW)
+    n = rows.shape[0]
+    words = rows.view(torch.int32)
+    floats = rows.view(torch.float32)
+    halves = rows.view(torch.bfloat16)
+
+    def desc(t, width, box, dtype):
+        layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+        return TensorDescriptor(t, [n, width], [width, 1], box, layout)
+
+    return (
+        desc(words, ROW // 4, [64, 32], gl.int32),
+        desc(floats, ROW // 4, [64, 4], gl.float32),
+        desc(halves, ROW // 2, [64, 64], gl.bfloat16),
+    )
+
+
+def decode(q, cache, table, seqlens, splits, descs=None, num_buf=3, asyn=True):
+    batch, _, heads, _ = q.shape
+    descs = descs or descriptors(cache)
+    o_part = torch.empty(batch * splits * heads * 512, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(batch * splits * heads, device=q.device, dtype=torch.float32)
+    keys_as_rows_kernel[(batch, splits)](
+        q, table, seqlens, o_part, lse_part, q.stride(0), table.stride(0),
+        576**-0.5 * 1.4426950408889634, *descs, H=heads, SPLITS=splits, NUM_BUF=num_buf, ASYNC=asyn,
+        num_warps=4,
+    )  # fmt: skip
+    out = torch.empty(batch, 1, heads, 512, device=q.device, dtype=torch.bfloat16)
+    lse = torch.empty(batch, heads, 1, device=q.device, dtype=torch.float32)
+    combine_kernel[(batch, heads)](o_part, lse_part, out, lse, H=heads, SPLITS=splits)
+    return out, lse
+
+
+def main() -> None:
+    from kvgen.bench import decode as bd
+    from kvgen.bench import harness
+    from kvgen.formats.mla_decode import mla_decode
+    from kvgen.ops import get_mla_metadata
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="16,32")
+    ap.add_argument("--splits", default="2")
+    ap.add_argument("--bufs", default="2")
+    ap.add_argument("--async", dest="asyn", default="0,1", help="1: pipelined MMAs, 0: each waited")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    copy_bw = harness.copy_bandwidth(dev)
+    print(f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+    results = []
+    lengths = [bd.SEQLEN] * bd.BATCH
+    for h in [int(x) for x in args.heads.split(",")]:
+        q, k, table, sl = bd._make(lengths, h, dev)
+        k_scale = torch.tensor([1.0], device=dev)
+        cache = bd.quantized_caches(k, k_scale, ("fp8_ds_mla",))["fp8_ds_mla"]
+        deq = bd.dequantized("fp8_ds_mla", cache, k_scale)
+        sub = slice(0, 3)
+        ref, ref_lse = mla_decode(q[sub].cpu(), deq.cpu(), table[sub].cpu(), sl[sub].cpu(), 512)
+        meta, nsp = get_mla_metadata(sl, h, 1)
+        args_ = (q, table, sl, meta, nsp)
+        callers = {}
+        for label, call in bd._callers(dev, k):
+            if label == "auto":
+                callers["bf16 (kvgen)"] = functools.partial(call, *args_)
+        for label, call in bd._callers(dev, cache, "fp8_ds_mla"):
+            if label.startswith("auto"):
+                callers["fp8_ds_mla (kvgen wgmma)"] = functools.partial(call, *args_)
+        descs = descriptors(cache)
+        configs = [
+            (s, int(nb), int(a))
+            for s in [int(x) for x in args.splits.split(",")]
+            for nb in args.bufs.split(",")
+            for a in args.asyn.split(",")
+        ]
+        for splits, nb, a in configs:
+            name = f"keys-as-rows splits={splits} bufs={nb} async={a}"
+            call = functools.partial(decode, q, cache, table, sl, splits, descs, nb, bool(a))
+            try:
+                call()
+                torch.cuda.synchronize()
+                callers[name] = call
+            except Exception as exc:  # (a config that does not compile or fit: reported)
+                print(f"h={h} {name}: {type(exc).__name__}: {str(exc)[-600:]}", flush=True)
+        times = {n: [] for n in callers}
+        for _ in range(3):
+            for n, call in callers.items():
+                times[n].append(harness.graph_time_us(lambda i, call=call: call(), 1, calls=8,
+                                                      replays=5))  # fmt: skip
+        bf16_t = statistics.median(times["bf16 (kvgen)"])
+        for n, call in callers.items():
+            out, lse = call()
+            torch.cuda.synchronize()
+            got = out[sub].float().cpu().double()
+            err = float((got - ref).norm() / ref.norm())
+            lse_err = float((lse[sub].cpu().double().reshape(-1) - ref_lse.reshape(-1)).abs().max())
+            t = statistics.median(times[n])
+            nbytes = 656 if "bf16" not in n else 1152
+            bw = sum(lengths) * nbytes / (t * 1e-6)
+            row = dict(heads=h, kernel=n, us=t, vs_bf16=t / bf16_t, bytes_per_token=nbytes,
+                       gbps=bw / 1e9, of_copy=bw / copy_bw, rel_err_out=err,
+                       max_err_lse=lse_err)  # fmt: skip
+            results.append(row)
+            print(f"h={h:3d} {n:34s} {t:8.1f} us  x{t / bf16_t:.2f} of bf16  "
+                  f"{bw / 1e9:6.0f} GB/s ({bw / copy_bw:.2f} of copy)  "
+                  f"out err {err:.1e}  lse err {lse_err:.1e}", flush=True)  # fmt: skip
+        del q, k, table, sl, cache, deq
+        torch.cuda.empty_cache()
+    if args.json:
+        env = harness.environment()
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "copy_gbps": copy_bw / 1e9, "rows": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
