@@ -374,8 +374,10 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
         top1 = new1
         top2 = new2
         top3 = new3
+        # Both versions wait for every MMA of the tile above, which already orders P's reads
+        # before the next tile's stores; the pipelined one keeps the barrier it was timed with.
         if ASYNC:
-            gl.thread_barrier()  # (P read by the MMAs before the next tile's stores)
+            gl.thread_barrier()
 
     # --- partial out (normalised) and lse (log2) of this split
     l_i = gl.sum(l_p, axis=0)
