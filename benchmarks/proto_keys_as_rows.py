@@ -4,25 +4,37 @@ The wgmma decode (mla_decode_wgmma) pads the query heads to the MMA's 64 rows: a
 4x the MMA work, Q re-read from shared memory every tile, and the dequantized K written to
 shared memory and handed between warpgroups. Here the roles are swapped:
 
-    S^T [64 keys, H] = K [64 keys, 576] . Q^T          (A = K, dequantized into registers)
+    S^T [64 keys, H] = K [64 keys, 576] . Q^T
     O^T [512, H]    += V^T [512, 64 keys] . P^T         (A = V^T, dequantized into registers)
 
-so H (16 or 32 heads) is the MMA's N, the codes go from the staged bytes straight into the
-MMAs' A registers (e4m3 pairs by one cvt.rn.f16x2.e4m3x2 each, fp16 MMAs), and nothing but P
-is written to shared memory. The order of a contraction's terms is free, so each MMA's K
-index is permuted to what a thread can load in one piece: a thread's channels of a key are 16
-contiguous bytes for S (Q^T's rows are permuted to match, once a program), and 4 for V^T (a
-scale tile's channels of 4 keys). The fp8_ds_mla scales stay out of the MMAs: S = sum over
-the four 128-channel tiles of scale_t * (codes_t . q), and P is multiplied by
-scale_t / (the running largest scale_t), the O accumulator of tile t rescaled when that grows,
-as the softmax's running max is. Q goes to fp16 scaled by a power of two per head (exact for
-every bf16 value within 2^24 of the head's largest).
+so H (16 or 32 heads) is the MMAs' N and nothing but P is written to shared memory.
 
-One program a (sequence, split) with 4 warps; page 64 (a tile is a page, by TMA); s_q 1; no
-causal rows. A split's partial (out, lse) are merged by a small Triton kernel.
+- S, two ways (S_FP8). 1: e4m3 MMAs with both operands in shared memory: A = the staged
+  codes as they are, B = q split into two e4m3 parts, q = hi + lo (hi = q rounded to e4m3, lo
+  = what that rounding left, 4 more bits: exact for every bf16 value within 2^10 of its head's
+  largest after a power-of-two scale per head), no conversion instruction and no register
+  operand. 0: K dequantized into the A registers (cvt.rn.f16x2.e4m3x2, fp16 MMAs), the
+  contraction index permuted to what a thread loads in one piece (Q^T's rows permuted to
+  match), q in fp16 scaled by a power of two per head.
+- V^T is dequantized into the A registers (fp16), each thread's 4 channels of 4 keys from
+  one word a key, the output channels permuted to match and put back in order at the end.
+- The fp8_ds_mla scales stay out of the MMAs: S = the sum over the four 128-channel tiles of
+  scale_t * (codes_t . q_t), and P is multiplied by scale_t / top_t (top_t: a running largest
+  scale of tile t), the O accumulator of tile t rescaled when top_t moves, as the softmax's
+  running max moves. LAZY: those references move only when a score is more than 8 above its
+  head's or a scale more than 2^7 times its tile's (P stays within fp16), so most pages leave
+  O and the sums alone.
+- A page comes by three TMA copies (the codes as one 3-D box [4 tiles, 64 keys, 128 bytes],
+  the scales, the RoPE part), each on its own mbarrier, issued at the top of the page before:
+  Triton's membar pass puts a CTA barrier between operations on one barrier object, so one
+  object a part costs one barrier a page, not one a copy. Each warp reduces its 16 keys'
+  largest score and scales, and one exchange through shared memory gives the page's.
 
-    python benchmarks/proto_keys_as_rows.py [--heads 16,32] [--splits 2] [--bufs 2] [--async 0,1]
-        [--json F]
+One program a (sequence, split) with 4 warps; page 64 (a tile is a page); s_q 1; no causal
+rows. A split's partial (out, lse) are merged by a small Triton kernel.
+
+    python benchmarks/proto_keys_as_rows.py [--heads 16,32] [--splits 2] [--bufs 2]
+        [--async 0,1] [--s-fp8 0,1] [--lazy 0,1] [--json F]
 
 It times the kernel beside kvgen's bf16 decode (over the bf16 cache the fp8_ds_mla one was
 stored from) and its wgmma fp8_ds_mla decode, in one process, and checks each against a float64
@@ -51,13 +63,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 PAGE = gl.constexpr(64)  # keys a tile, = the page
-ROW = 656  # fp8_ds_mla's record: 512 codes, 4 fp32 scales, 64 bf16 RoPE channels
+ROW_BYTES = 656  # fp8_ds_mla's record: 512 codes, 4 fp32 scales, 64 bf16 RoPE channels
 
 
 @gluon.constexpr_function
-def mma_layout(n, warps):
+def mma_layout(n, warps, k=16):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                     instr_shape=[16, n, 16])  # fmt: skip
+                                     instr_shape=[16, n, k])  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -87,6 +99,19 @@ V_WORDS = gl.constexpr(
         shape=[64, 32],
     )
 )
+
+
+@gluon.constexpr_function
+def warps_by_heads(h):
+    """[4 warps, h] whole in every thread, the heads (columns) as the S MMA's accumulator holds
+    them: bit 0 and bits 3.. in registers, bits 1-2 in the lane."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [2, 0]] + [[0, 8 << j] for j in range(h.bit_length() - 4)],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[4, h],
+    )
 
 
 @gluon.jit
@@ -166,21 +191,26 @@ def v_operand(codes, H: gl.constexpr):
 
 
 @gluon.jit
-def issue_tile(descs, bufs, bar, row):
+def issue_tile(descs, bufs, bars, row):
+    """A page's three parts, each on its own mbarrier: every mbarrier operation and copy on one
+    barrier object is ordered by a CTA barrier (Triton's membar pass), so three objects cost one
+    barrier a page where one object cost one a copy."""
     codes_desc, scale_desc, rope_desc = descs
-    codes_s, first, scale_s, rope_s = bufs
-    mbarrier.expect(bar, 4 * 64 * 128 + 64 * 16 + 64 * 128)
-    for t in gl.static_range(4):
-        tma.async_copy_global_to_shared(codes_desc, [row, 32 * t], bar, codes_s.index(first + t))
-    tma.async_copy_global_to_shared(scale_desc, [row, 128], bar, scale_s)
-    tma.async_copy_global_to_shared(rope_desc, [row, 264], bar, rope_s)
+    codes_s, scale_s, rope_s = bufs
+    bar_c, bar_s, bar_r = bars
+    mbarrier.expect(bar_c, 4 * 64 * 128)
+    mbarrier.expect(bar_s, 64 * 16)
+    mbarrier.expect(bar_r, 64 * 128)
+    tma.async_copy_global_to_shared(codes_desc, [0, row, 0], bar_c, codes_s)  # [4, 64, 128]
+    tma.async_copy_global_to_shared(scale_desc, [row, 128], bar_s, scale_s)
+    tma.async_copy_global_to_shared(rope_desc, [row, 264], bar_r, rope_s)
 
 
 @gluon.jit
 def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
                         stride_qb, stride_tb, scale_log2, codes_desc, scale_desc, rope_desc,
                         H: gl.constexpr, SPLITS: gl.constexpr, NUM_BUF: gl.constexpr,
-                        ASYNC: gl.constexpr):  # fmt: skip
+                        ASYNC: gl.constexpr, S_FP8: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
     b = gl.program_id(0)
     split = gl.program_id(1)
     seqlen = gl.load(seqlens_ptr + b)
@@ -201,17 +231,30 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     q_base = q_ptr + b.to(gl.int64) * stride_qb + hq[:, None] * 576
     q_lat = gl.load(q_base + ch[None, :]).to(gl.float32)
     top = gl.max(gl.abs(q_lat), axis=1)
-    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - 14  # top < 2^(expo+14)
+    # fp16: top < 2^(expo + 14); e4m3 parts: top < 2^(expo + 8)
+    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - (8 if S_FP8 else 14)
     expo = gl.minimum(gl.maximum(expo, -100), 100)
     q_scale = ((127 - expo) << 23).to(gl.float32, bitcast=True)  # 2^-expo
     q_unscale = ((127 + expo) << 23).to(gl.float32, bitcast=True)
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 128], gl.float16)
-    q_s = gl.allocate_shared_memory(gl.float16, [4, H, 128], q_sl)
     jj = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    perm = 32 * ((jj >> 1) & 3) + 4 * (jj >> 4) + 2 * ((jj >> 3) & 1) + (jj & 1)
-    for t in gl.static_range(4):
-        x = gl.load(q_base + 128 * t + perm[None, :]).to(gl.float32) * q_scale[:, None]
-        q_s.index(t).store(x.to(gl.float16))
+    if S_FP8:
+        # q = hi + lo, both e4m3 (exact for every bf16 value within 2^10 of the head's
+        # largest: lo holds the 4 bits that hi's rounding left); the codes are the S MMAs' A
+        # operand straight from the staged bytes, channels in their own order
+        q8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 128], gl.float8e4nv)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [8, H, 128], q8_sl)
+        for t in gl.static_range(4):
+            x = gl.load(q_base + 128 * t + jj[None, :]).to(gl.float32) * q_scale[:, None]
+            hi = x.to(gl.float8e4nv)
+            q_s.index(2 * t).store(hi)
+            q_s.index(2 * t + 1).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
+    else:
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 128], gl.float16)
+        q_s = gl.allocate_shared_memory(gl.float16, [4, H, 128], q_sl)
+        perm = 32 * ((jj >> 1) & 3) + 4 * (jj >> 4) + 2 * ((jj >> 3) & 1) + (jj & 1)
+        for t in gl.static_range(4):
+            x = gl.load(q_base + 128 * t + perm[None, :]).to(gl.float32) * q_scale[:, None]
+            q_s.index(t).store(x.to(gl.float16))
     RL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     hr = gl.arange(0, H, layout=gl.SliceLayout(1, RL))
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, RL))
@@ -221,17 +264,36 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     q_unscale = gl.convert_layout(q_unscale, HEADS)
 
     # --- the staging ring (TMA) and P
+    # a page's codes: one 3-D copy [4 scale tiles, 64 keys, 128 bytes]; the same bytes seen as
+    # e4m3 tiles (the S MMAs' A) and as words (the K / V^T operands' loads), one 128-byte swizzle
+    c3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    codes3_s = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, 4, 64, 128], c3_sl)
+    c8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    codes8_s = codes3_s._reinterpret(gl.float8e4nv, [NUM_BUF * 4, 64, 128], c8_sl)
     codes_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
-    codes_s = gl.allocate_shared_memory(gl.int32, [NUM_BUF * 4, 64, 32], codes_sl)
+    codes_s = codes3_s._reinterpret(gl.int32, [NUM_BUF * 4, 64, 32], codes_sl)
     scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
     scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
     rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.float16)
-    p_s = gl.allocate_shared_memory(gl.float16, [4, H, 64], p_sl)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    # P of each scale tile in its own allocation (the membar pass orders stores to one
+    # allocation by CTA barriers)
+    p0_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p1_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p2_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p3_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    # each warp's largest score per head and scale per scale tile, exchanged once a page
+    red_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    red_m = gl.allocate_shared_memory(gl.float32, [4, H], red_sl)
+    red_t = gl.allocate_shared_memory(gl.float32, [4, 4], red_sl)
+    ready_c = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_s = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_r = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready_c.index(i), count=1)
+        mbarrier.init(ready_s.index(i), count=1)
+        mbarrier.init(ready_r.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
     descs = (codes_desc, scale_desc, rope_desc)
@@ -239,8 +301,11 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     for i in gl.static_range(NUM_BUF - 1):
         if i < n_tiles:
             page = gl.load(pages + t_lo + i)
-            bufs = (codes_s, 4 * i, scale_s.index(i), rope_s.index(i))
-            issue_tile(descs, bufs, ready.index(i), page * PAGE)
+            bufs = (codes3_s.index(i), scale_s.index(i), rope_s.index(i))
+            bars = (ready_c.index(i), ready_s.index(i), ready_r.index(i))
+            issue_tile(descs, bufs, bars, page * PAGE)
+    # the page of the next copy, loaded a page ahead (its latency off the loop's path)
+    page_next = gl.load(pages + t_lo + (NUM_BUF - 1), mask=NUM_BUF - 1 < n_tiles, other=0)
 
     SC_L: gl.constexpr = gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [8, 0]],
@@ -250,6 +315,15 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
         shape=[64, 4],
     )
     sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    # [4 warps, H] and [4 warps, 4] read whole by every thread, heads as S_L's columns
+    RED_L: gl.constexpr = warps_by_heads(H)
+    TOP_L: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0]],
+        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]],
+        block_bases=[],
+        shape=[4, 4],
+    )
     key = gl.arange(0, 64, layout=KEYS)
     O_L: gl.constexpr = S_L
     o0 = gl.zeros([128, H], gl.float32, O_L)
@@ -265,7 +339,20 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     a_rope: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     for i in range(n_tiles):
         stage = i % NUM_BUF
-        mbarrier.wait(ready.index(stage), (i // NUM_BUF) & 1)
+        # the copy NUM_BUF - 1 pages ahead, into the stage the last page read: every warp is
+        # done with it (its MMAs waited for) past this barrier
+        gl.thread_barrier()
+        nxt = i + NUM_BUF - 1
+        if nxt < n_tiles:
+            ns = nxt % NUM_BUF
+            bufs = (codes3_s.index(ns), scale_s.index(ns), rope_s.index(ns))
+            bars = (ready_c.index(ns), ready_s.index(ns), ready_r.index(ns))
+            issue_tile(descs, bufs, bars, page_next * PAGE)
+        page_next = gl.load(pages + t_lo + nxt + 1, mask=nxt + 1 < n_tiles, other=0)
+        phase = (i // NUM_BUF) & 1
+        mbarrier.wait(ready_s.index(stage), phase)
+        mbarrier.wait(ready_r.index(stage), phase)
+        mbarrier.wait(ready_c.index(stage), phase)
         c0 = 4 * stage
         n_valid = seqlen - (t_lo + i) * PAGE
         valid = key < n_valid
@@ -281,7 +368,32 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
         sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
         sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
         sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        if ASYNC:  # each A operand built while the MMA before it runs
+        if S_FP8:  # every S MMA's operands in shared memory: issued together, one wait
+            s = warpgroup_mma(rope_s.index(stage), qr_s.permute((1, 0)), zero, is_async=True)
+            zero8 = gl.zeros([64, H], gl.float32, mma_layout(H, 4, 32))
+            p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(0).permute((1, 0)), zero8,
+                               is_async=True)  # fmt: skip
+            p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(1).permute((1, 0)), p0,
+                               is_async=True)  # fmt: skip
+            p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(2).permute((1, 0)), zero8,
+                               is_async=True)  # fmt: skip
+            p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(3).permute((1, 0)), p1,
+                               is_async=True)  # fmt: skip
+            p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(4).permute((1, 0)), zero8,
+                               is_async=True)  # fmt: skip
+            p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(5).permute((1, 0)), p2,
+                               is_async=True)  # fmt: skip
+            p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(6).permute((1, 0)), zero8,
+                               is_async=True)  # fmt: skip
+            p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3,
+                               is_async=True)  # fmt: skip
+            s, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[s, p0, p1, p2, p3])
+            p0 = gl.convert_layout(p0, S_L)  # (the same registers: k is not in the mapping)
+            p1 = gl.convert_layout(p1, S_L)
+            p2 = gl.convert_layout(p2, S_L)
+            p3 = gl.convert_layout(p3, S_L)
+            lat = p0 * sc0[:, None] + p1 * sc1[:, None] + p2 * sc2[:, None] + p3 * sc3[:, None]
+        elif ASYNC:  # each A operand built while the MMA before it runs
             ar = rope_s.index(stage).load(a_rope)
             s = warpgroup_mma(ar, qr_s.permute((1, 0)), zero, is_async=True)
             ka = k_operand(codes_s.index(c0 + 0), H)
@@ -318,66 +430,74 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
             lat += part * sc3[:, None]
         z = (lat * q_unscale[None, :] + s) * scale_log2
         z = gl.where(valid[:, None], z, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(z, axis=0))
-        alpha = gl.exp2(m_i - m_new)
+        # the page's largest score per head and scale per scale tile: each warp's over its 16
+        # keys, then one exchange
+        red_m.store(gl.max(gl.reshape(z, [4, 16, H]), axis=1))
+        red_t.store(gl.max(gl.reshape(sc, [4, 16, 4]), axis=1))
+        gl.thread_barrier()
+        m_tile = gl.convert_layout(gl.max(red_m.load(RED_L), axis=0), HEADS)
+        tops = gl.convert_layout(gl.max(red_t.load(TOP_L), axis=0), gl.SliceLayout(0, SC_L))
+        tt0 = gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0)
+        tt1 = gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0)
+        tt2 = gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0)
+        tt3 = gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0)
+        if LAZY:
+            # The references move only when a score is more than 8 above its head's (p < 2^8)
+            # or a scale more than 2^7 times its scale tile's (p * scale / top < 2^15, within
+            # fp16): most pages then leave O and the sums as they are.
+            m_new = gl.where((m_tile > m_i + 8.0) | (m_tile != m_tile), m_tile, m_i)
+            new0 = gl.where(tt0 > top0 * 128.0, tt0, top0)
+            new1 = gl.where(tt1 > top1 * 128.0, tt1, top1)
+            new2 = gl.where(tt2 > top2 * 128.0, tt2, top2)
+            new3 = gl.where(tt3 > top3 * 128.0, tt3, top3)
+        else:
+            m_new = gl.maximum(m_i, m_tile)
+            new0 = gl.maximum(top0, tt0)
+            new1 = gl.maximum(top1, tt1)
+            new2 = gl.maximum(top2, tt2)
+            new3 = gl.maximum(top3, tt3)
         p = gl.exp2(z - m_new[None, :])
-        l_p = l_p * alpha[None, :] + p
+        moved = gl.max((m_new != m_i).to(gl.int32), axis=0)
+        moved = moved | (new0 != top0) | (new1 != top1) | (new2 != top2) | (new3 != top3)
+        if moved:
+            alpha = gl.exp2(m_i - m_new)
+            l_p = l_p * alpha[None, :]
+            o0 = o0 * (alpha * (top0 / new0))[None, :]
+            o1 = o1 * (alpha * (top1 / new1))[None, :]
+            o2 = o2 * (alpha * (top2 / new2))[None, :]
+            o3 = o3 * (alpha * (top3 / new3))[None, :]
+        l_p = l_p + p
         m_i = m_new
-        tops = gl.max(sc, axis=0)  # [4]: each scale tile's largest scale in this tile
-        new0 = gl.maximum(top0, gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0))
-        new1 = gl.maximum(top1, gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0))
-        new2 = gl.maximum(top2, gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0))
-        new3 = gl.maximum(top3, gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0))
-        p_s.index(0).store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
-        p_s.index(1).store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
-        p_s.index(2).store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
-        p_s.index(3).store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+        p0_s.store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
+        p1_s.store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
+        p2_s.store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
+        p3_s.store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P in, every warp done with the stage read last
-        nxt = i + NUM_BUF - 1
-        if nxt < n_tiles:
-            ns = nxt % NUM_BUF
-            page = gl.load(pages + t_lo + nxt)
-            bufs = (codes_s, 4 * ns, scale_s.index(ns), rope_s.index(ns))
-            issue_tile(descs, bufs, ready.index(ns), page * PAGE)
-        f0 = (alpha * (top0 / new0))[None, :]
-        f1 = (alpha * (top1 / new1))[None, :]
-        f2 = (alpha * (top2 / new2))[None, :]
-        f3 = (alpha * (top3 / new3))[None, :]
         if ASYNC:
             va = v_operand(codes_s.index(c0 + 0), H)
-            o0 = warpgroup_mma(va, p_s.index(0).permute((1, 0)), o0 * f0, is_async=True)
+            o0 = warpgroup_mma(va, p0_s.permute((1, 0)), o0, is_async=True)
             vb = v_operand(codes_s.index(c0 + 1), H)
-            o1 = warpgroup_mma(vb, p_s.index(1).permute((1, 0)), o1 * f1, is_async=True)
+            o1 = warpgroup_mma(vb, p1_s.permute((1, 0)), o1, is_async=True)
             o0, va = warpgroup_mma_wait(1, deps=[o0, va])
             va = v_operand(codes_s.index(c0 + 2), H)
-            o2 = warpgroup_mma(va, p_s.index(2).permute((1, 0)), o2 * f2, is_async=True)
+            o2 = warpgroup_mma(va, p2_s.permute((1, 0)), o2, is_async=True)
             o1, vb = warpgroup_mma_wait(1, deps=[o1, vb])
             vb = v_operand(codes_s.index(c0 + 3), H)
-            o3 = warpgroup_mma(vb, p_s.index(3).permute((1, 0)), o3 * f3, is_async=True)
+            o3 = warpgroup_mma(vb, p3_s.permute((1, 0)), o3, is_async=True)
             o2, va = warpgroup_mma_wait(1, deps=[o2, va])
             o3, vb = warpgroup_mma_wait(0, deps=[o3, vb])
         else:
-            o0 = warpgroup_mma(
-                v_operand(codes_s.index(c0 + 0), H), p_s.index(0).permute((1, 0)), o0 * f0
-            )
-            o1 = warpgroup_mma(
-                v_operand(codes_s.index(c0 + 1), H), p_s.index(1).permute((1, 0)), o1 * f1
-            )
-            o2 = warpgroup_mma(
-                v_operand(codes_s.index(c0 + 2), H), p_s.index(2).permute((1, 0)), o2 * f2
-            )
-            o3 = warpgroup_mma(
-                v_operand(codes_s.index(c0 + 3), H), p_s.index(3).permute((1, 0)), o3 * f3
-            )
+            o0 = warpgroup_mma(v_operand(codes_s.index(c0 + 0), H), p0_s.permute((1, 0)), o0)
+            o1 = warpgroup_mma(v_operand(codes_s.index(c0 + 1), H), p1_s.permute((1, 0)), o1)
+            o2 = warpgroup_mma(v_operand(codes_s.index(c0 + 2), H), p2_s.permute((1, 0)), o2)
+            o3 = warpgroup_mma(v_operand(codes_s.index(c0 + 3), H), p3_s.permute((1, 0)), o3)
         top0 = new0
         top1 = new1
         top2 = new2
         top3 = new3
-        # Both versions wait for every MMA of the tile above, which already orders P's reads
-        # before the next tile's stores; the pipelined one keeps the barrier it was timed with.
-        if ASYNC:
-            gl.thread_barrier()
+        # (every MMA of the page is waited for above: the next page's stores of P follow the
+        # exchange's barrier)
 
     # --- partial out (normalised) and lse (log2) of this split
     l_i = gl.sum(l_p, axis=0)
@@ -387,35 +507,42 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     mo = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
     # row 64 sub + 16w + 8h + g -> channel 32w + 4g + 2 sub + h of the scale tile
     chan = 32 * ((mo >> 4) & 3) + 4 * (mo & 7) + 2 * (mo >> 6) + ((mo >> 3) & 1)
-    base = o_part_ptr + ((b * SPLITS + split).to(gl.int64) * H + heads[None, :]) * 512
-    gl.store(base + chan[:, None], o0 * (top0 * inv_l)[None, :])
-    gl.store(base + 128 + chan[:, None], o1 * (top1 * inv_l)[None, :])
-    gl.store(base + 256 + chan[:, None], o2 * (top2 * inv_l)[None, :])
-    gl.store(base + 384 + chan[:, None], o3 * (top3 * inv_l)[None, :])
+    # partial out as [channel, head] (a thread's two adjacent heads in one store, whole
+    # 32-byte sectors); the combine kernel reads it so
+    base = o_part_ptr + (b * SPLITS + split).to(gl.int64) * 512 * H + heads[None, :]
+    gl.store(base + chan[:, None] * H, o0 * (top0 * inv_l)[None, :])
+    gl.store(base + (128 + chan[:, None]) * H, o1 * (top1 * inv_l)[None, :])
+    gl.store(base + (256 + chan[:, None]) * H, o2 * (top2 * inv_l)[None, :])
+    gl.store(base + (384 + chan[:, None]) * H, o3 * (top3 * inv_l)[None, :])
     gl.store(lse_part_ptr + (b * SPLITS + split) * H + heads, lse2)
 
 
 @triton.jit
 def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, H: tl.constexpr,
-                   SPLITS: tl.constexpr):  # fmt: skip
+                   SPLITS: tl.constexpr, D_BLOCK: tl.constexpr):  # fmt: skip
+    """One program a (sequence, block of D_BLOCK channels) over every head: the splits'
+    partial out [split, channel, head] weighted by their lse."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    d0 = tl.program_id(1) * D_BLOCK
     sp = tl.arange(0, SPLITS)
-    lse = tl.load(lse_part_ptr + (b * SPLITS + sp) * H + h)
+    h = tl.arange(0, H)
+    lse = tl.load(lse_part_ptr + (b * SPLITS + sp[:, None]) * H + h[None, :])  # [SPLITS, H]
     top = tl.max(lse, axis=0)
-    w = tl.where(lse == -float("inf"), 0.0, tl.exp2(lse - top))
+    w = tl.where(lse == -float("inf"), 0.0, tl.exp2(lse - top[None, :]))
     total = tl.sum(w, axis=0)
-    d = tl.arange(0, 512)
-    o = tl.load(o_part_ptr + ((b * SPLITS + sp[:, None]) * H + h) * 512 + d[None, :])
-    out = tl.sum(o * (w / total)[:, None], axis=0)
-    tl.store(out_ptr + (b * H + h) * 512 + d, out.to(tl.bfloat16))
-    tl.store(lse_ptr + b * H + h, (top + tl.log2(total)) / 1.4426950408889634)
+    d = d0 + tl.arange(0, D_BLOCK)
+    offs = ((b * SPLITS + sp[:, None, None]) * 512 + d[None, :, None]) * H + h[None, None, :]
+    o = tl.load(o_part_ptr + offs)  # [SPLITS, D_BLOCK, H]
+    out = tl.sum(o * (w / total[None, :])[:, None, :], axis=0)  # [D_BLOCK, H]
+    tl.store(out_ptr + (b * H + h[None, :]) * 512 + d[:, None], out.to(tl.bfloat16))
+    if d0 == 0:
+        tl.store(lse_ptr + b * H + h, (top + tl.log2(total)) / 1.4426950408889634)
 
 
 def descriptors(cache: torch.Tensor):
-    rows = cache.reshape(-1, ROW)
+    rows = cache.reshape(-1, ROW_BYTES)
     n = rows.shape[0]
-    words = rows.view(torch.int32)
+    codes = rows.view(torch.float8_e4m3fn)
     floats = rows.view(torch.float32)
     halves = rows.view(torch.bfloat16)
 
@@ -423,14 +550,17 @@ def descriptors(cache: torch.Tensor):
         layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
         return TensorDescriptor(t, [n, width], [width, 1], box, layout)
 
+    c3 = codes[:, :512].unflatten(1, (4, 128)).permute(1, 0, 2)  # [4, rows, 128]
+    c3_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
     return (
-        desc(words, ROW // 4, [64, 32], gl.int32),
-        desc(floats, ROW // 4, [64, 4], gl.float32),
-        desc(halves, ROW // 2, [64, 64], gl.bfloat16),
+        TensorDescriptor(c3, list(c3.shape), list(c3.stride()), [4, 64, 128], c3_layout),
+        desc(floats, ROW_BYTES // 4, [64, 4], gl.float32),
+        desc(halves, ROW_BYTES // 2, [64, 64], gl.bfloat16),
     )
 
 
-def decode(q, cache, table, seqlens, splits, descs=None, num_buf=3, asyn=True):
+def decode(q, cache, table, seqlens, splits, descs=None, num_buf=3, asyn=True, s_fp8=False,
+           lazy=False):  # fmt: skip
     batch, _, heads, _ = q.shape
     descs = descs or descriptors(cache)
     o_part = torch.empty(batch * splits * heads * 512, device=q.device, dtype=torch.float32)
@@ -438,11 +568,12 @@ def decode(q, cache, table, seqlens, splits, descs=None, num_buf=3, asyn=True):
     keys_as_rows_kernel[(batch, splits)](
         q, table, seqlens, o_part, lse_part, q.stride(0), table.stride(0),
         576**-0.5 * 1.4426950408889634, *descs, H=heads, SPLITS=splits, NUM_BUF=num_buf, ASYNC=asyn,
-        num_warps=4,
+        S_FP8=s_fp8, LAZY=lazy, num_warps=4,
     )  # fmt: skip
     out = torch.empty(batch, 1, heads, 512, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, 1, device=q.device, dtype=torch.float32)
-    combine_kernel[(batch, heads)](o_part, lse_part, out, lse, H=heads, SPLITS=splits)
+    combine_kernel[(batch, 512 // 64)](o_part, lse_part, out, lse, H=heads, SPLITS=splits,
+                                       D_BLOCK=64)  # fmt: skip
     return out, lse
 
 
@@ -457,6 +588,8 @@ def main() -> None:
     ap.add_argument("--splits", default="2")
     ap.add_argument("--bufs", default="2")
     ap.add_argument("--async", dest="asyn", default="0,1", help="1: pipelined MMAs, 0: each waited")
+    ap.add_argument("--s-fp8", default="0,1", help="1: S by e4m3 MMAs (codes x q's two e4m3 parts)")
+    ap.add_argument("--lazy", default="0,1", help="1: O rescaled only when a reference moves far")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -482,14 +615,17 @@ def main() -> None:
                 callers["fp8_ds_mla (kvgen wgmma)"] = functools.partial(call, *args_)
         descs = descriptors(cache)
         configs = [
-            (s, int(nb), int(a))
+            (s, int(nb), int(a), int(f8), int(lz))
             for s in [int(x) for x in args.splits.split(",")]
             for nb in args.bufs.split(",")
             for a in args.asyn.split(",")
+            for f8 in args.s_fp8.split(",")
+            for lz in args.lazy.split(",")
         ]
-        for splits, nb, a in configs:
-            name = f"keys-as-rows splits={splits} bufs={nb} async={a}"
-            call = functools.partial(decode, q, cache, table, sl, splits, descs, nb, bool(a))
+        for splits, nb, a, f8, lz in configs:
+            name = f"keys-as-rows splits={splits} bufs={nb} async={a} s_fp8={f8} lazy={lz}"
+            call = functools.partial(decode, q, cache, table, sl, splits, descs,
+                                     nb, bool(a), bool(f8), bool(lz))  # fmt: skip
             try:
                 call()
                 torch.cuda.synchronize()
