@@ -31,10 +31,12 @@ so H (16 or 32 heads) is the MMAs' N and nothing but P is written to shared memo
   largest score and scales, and one exchange through shared memory gives the page's.
 
 One program a (sequence, split) with 4 warps; page 64 (a tile is a page); s_q 1; no causal
-rows. A split's partial (out, lse) are merged by a small Triton kernel.
+rows. A split's partial (out, lse) are merged by a small Triton kernel. keys_as_rows_2wg_kernel
+(--wgs 2) runs the e4m3 S with lazy references on 8 warps: S's heads split between the two
+warpgroups, V^T's channels split between them (half of O a thread).
 
     python benchmarks/proto_keys_as_rows.py [--heads 16,32] [--splits 2] [--bufs 2]
-        [--async 0,1] [--s-fp8 0,1] [--lazy 0,1] [--json F]
+        [--async 0,1] [--s-fp8 0,1] [--lazy 0,1] [--wgs 1,2] [--json F]
 
 It times the kernel beside kvgen's bf16 decode (over the bf16 cache the fp8_ds_mla one was
 stored from) and its wgmma fp8_ds_mla decode, in one process, and checks each against a float64
@@ -207,6 +209,21 @@ def issue_tile(descs, bufs, bars, row):
 
 
 @gluon.jit
+def issue_next(i, n_tiles, NUM_BUF: gl.constexpr, descs, stages, bars_all, pages, t_lo, page_next):
+    """The copy NUM_BUF - 1 pages ahead of page i, into the stage page i - 1 read (every warp is
+    done with it past the barrier at the top of page i); returns the page index after it."""
+    codes3_s, scale_s, rope_s = stages
+    ready_c, ready_s, ready_r = bars_all
+    nxt = i + NUM_BUF - 1
+    if nxt < n_tiles:
+        ns = nxt % NUM_BUF
+        bufs = (codes3_s.index(ns), scale_s.index(ns), rope_s.index(ns))
+        bars = (ready_c.index(ns), ready_s.index(ns), ready_r.index(ns))
+        issue_tile(descs, bufs, bars, page_next * PAGE)
+    return gl.load(pages + t_lo + nxt + 1, mask=nxt + 1 < n_tiles, other=0)
+
+
+@gluon.jit
 def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
                         stride_qb, stride_tb, scale_log2, codes_desc, scale_desc, rope_desc,
                         H: gl.constexpr, SPLITS: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -339,16 +356,15 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     a_rope: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     for i in range(n_tiles):
         stage = i % NUM_BUF
-        # the copy NUM_BUF - 1 pages ahead, into the stage the last page read: every warp is
-        # done with it (its MMAs waited for) past this barrier
+        # every warp is done with page i - 1 (its MMAs waited for) past this barrier; the
+        # next copy is issued while the S MMAs run (the issuing thread waits for the copy
+        # engine, and every warp would wait for it at the next barrier)
         gl.thread_barrier()
-        nxt = i + NUM_BUF - 1
-        if nxt < n_tiles:
-            ns = nxt % NUM_BUF
-            bufs = (codes3_s.index(ns), scale_s.index(ns), rope_s.index(ns))
-            bars = (ready_c.index(ns), ready_s.index(ns), ready_r.index(ns))
-            issue_tile(descs, bufs, bars, page_next * PAGE)
-        page_next = gl.load(pages + t_lo + nxt + 1, mask=nxt + 1 < n_tiles, other=0)
+        stages = (codes3_s, scale_s, rope_s)
+        bars_all = (ready_c, ready_s, ready_r)
+        if not S_FP8:
+            page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
+                                   page_next)  # fmt: skip
         phase = (i // NUM_BUF) & 1
         mbarrier.wait(ready_s.index(stage), phase)
         mbarrier.wait(ready_r.index(stage), phase)
@@ -387,6 +403,8 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
                                is_async=True)  # fmt: skip
             p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3,
                                is_async=True)  # fmt: skip
+            page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
+                                   page_next)  # fmt: skip
             s, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[s, p0, p1, p2, p3])
             p0 = gl.convert_layout(p0, S_L)  # (the same registers: k is not in the mapping)
             p1 = gl.convert_layout(p1, S_L)
@@ -517,23 +535,321 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     gl.store(lse_part_ptr + (b * SPLITS + split) * H + heads, lse2)
 
 
+# --- two warpgroups (8 warps): S's heads split between them, O^T's channels split between them
+
+
+@gluon.constexpr_function
+def mma_layout_2d(n, warps_m, warps_n, k=16):
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps_m, warps_n],
+                                     instr_shape=[16, n // warps_n, k])  # fmt: skip
+
+
+@gluon.constexpr_function
+def rows_by_heads(h, warps_n, warps):
+    """[4 row-warps, h] whole in every thread, the heads as an MMA accumulator of warps_n
+    warpgroups along N holds them: bit 0 and bits 3.. of a warpgroup's h / warps_n in
+    registers, bits 1-2 in the lane, the warpgroup bit in the warp."""
+    hn = h // warps_n
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [1, 0], [2, 0]] + [[0, 8 << j] for j in range(hn.bit_length() - 4)],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0]] * (warps.bit_length() - 1 - (warps_n - 1)) + [[0, hn]] * (warps_n - 1),
+        block_bases=[],
+        shape=[4, h],
+    )
+
+
+# The V^T MMA's A operand over 8 warps (M = a scale tile's 128 channels): thread (w, 4g + c)
+# holds half-word 8w + g (channels 16w + 2g, + 1) of keys 2c, 2c + 1 (+ 8, + 16, + 32).
+V_HALVES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 8], [0, 16], [0, 32]],
+        block_bases=[],
+        shape=[64, 64],
+    )
+)
+
+
+@gluon.jit
+def e4m3_half_pairs(h0, h1):
+    """Two e4m3 codes (channels c, c + 1) of key k (h0) and of key k + 1 (h1) as fp16:
+    (c of k, c of k + 1, c + 1 of k, c + 1 of k + 1)."""
+    return gl.inline_asm_elementwise(
+        """{
+        .reg .b32 r, f;
+        .reg .b16 lo, hi;
+        mov.b32 r, {$4, $5};
+        prmt.b32 r, r, 0, 0x3120;
+        mov.b32 {lo, hi}, r;
+        cvt.rn.f16x2.e4m3x2 f, lo;
+        mov.b32 {$0, $1}, f;
+        cvt.rn.f16x2.e4m3x2 f, hi;
+        mov.b32 {$2, $3}, f;
+        }""",
+        "=h,=h,=h,=h,h,h",
+        [h0, h1],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def v_operand_2wg(codes, a_layout: gl.constexpr):
+    """A scale tile's codes [64 keys, 64 half-words] as the V^T MMA's A operand [128, 64 keys]
+    over 8 warps: row 16w + 8h + g holds channel 16w + 2g + h."""
+    w = codes.load(V_HALVES)
+    w0, w1 = gl.split(w.reshape([32, 2, 64]).permute((0, 2, 1)))  # keys 2kk, 2kk + 1
+    a0, b0, a1, b1 = e4m3_half_pairs(w0, w1)
+    x = gl.join(gl.join(a0, b0), gl.join(a1, b1))  # [kk, half-word 8w + g, e, h]
+    x = x.reshape([32, 8, 8, 2, 2]).permute((1, 4, 2, 0, 3)).reshape([128, 64])
+    return gl.convert_layout(x, a_layout)
+
+
+@gluon.jit
+def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+                            stride_qb, stride_tb, scale_log2, codes_desc, scale_desc, rope_desc,
+                            H: gl.constexpr, SPLITS: gl.constexpr,
+                            NUM_BUF: gl.constexpr):  # fmt: skip
+    """keys_as_rows_kernel's e4m3 S with lazy references on 8 warps: the S MMAs' N (heads)
+    split between the two warpgroups, the V^T MMAs' M (a scale tile's channels) split between
+    them, so a thread holds half of O and converts half of a page's codes."""
+    b = gl.program_id(0)
+    split = gl.program_id(1)
+    seqlen = gl.load(seqlens_ptr + b)
+    tiles = (seqlen + PAGE - 1) // PAGE
+    per = (tiles + SPLITS - 1) // SPLITS
+    t_lo = split * per
+    t_hi = gl.minimum(t_lo + per, tiles)
+    n_tiles = gl.maximum(t_hi - t_lo, 0)
+
+    S_L: gl.constexpr = mma_layout_2d(H, 4, 2)  # [64 keys, H]
+    S8_L: gl.constexpr = mma_layout_2d(H, 4, 2, 32)
+    O_L: gl.constexpr = mma_layout_2d(H, 8, 1)  # [128 channels of a scale tile, H]
+    A_V: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+    HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+    HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, QL))
+    ch = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+    q_base = q_ptr + b.to(gl.int64) * stride_qb + hq[:, None] * 576
+    top = gl.max(gl.abs(gl.load(q_base + ch[None, :]).to(gl.float32)), axis=1)
+    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - 8
+    expo = gl.minimum(gl.maximum(expo, -100), 100)
+    q_scale = ((127 - expo) << 23).to(gl.float32, bitcast=True)
+    q_unscale = gl.convert_layout(((127 + expo) << 23).to(gl.float32, bitcast=True), HEADS)
+    jj = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 128], gl.float8e4nv)
+    q_s = gl.allocate_shared_memory(gl.float8e4nv, [8, H, 128], q8_sl)
+    for t in gl.static_range(4):
+        x = gl.load(q_base + 128 * t + jj[None, :]).to(gl.float32) * q_scale[:, None]
+        hi = x.to(gl.float8e4nv)
+        q_s.index(2 * t).store(hi)
+        q_s.index(2 * t + 1).store((x - hi.to(gl.float32)).to(gl.float8e4nv))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.bfloat16)
+    qr_s = gl.allocate_shared_memory(gl.bfloat16, [H, 64], qr_sl)
+    qr_s.store(gl.load(q_base + 512 + cr[None, :]))
+
+    c3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    codes3_s = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, 4, 64, 128], c3_sl)
+    c8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
+    codes8_s = codes3_s._reinterpret(gl.float8e4nv, [NUM_BUF * 4, 64, 128], c8_sl)
+    c16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.int16)
+    codes16_s = codes3_s._reinterpret(gl.int16, [NUM_BUF * 4, 64, 64], c16_sl)
+    scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
+    scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.float16)
+    p0_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p1_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p2_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    p3_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
+    red_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    red_m = gl.allocate_shared_memory(gl.float32, [4, H], red_sl)
+    red_t = gl.allocate_shared_memory(gl.float32, [4, 4], red_sl)
+    ready_c = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_s = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_r = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready_c.index(i), count=1)
+        mbarrier.init(ready_s.index(i), count=1)
+        mbarrier.init(ready_r.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    descs = (codes_desc, scale_desc, rope_desc)
+    pages = table_ptr + b.to(gl.int64) * stride_tb
+    for i in gl.static_range(NUM_BUF - 1):
+        if i < n_tiles:
+            page = gl.load(pages + t_lo + i)
+            bufs = (codes3_s.index(i), scale_s.index(i), rope_s.index(i))
+            bars = (ready_c.index(i), ready_s.index(i), ready_r.index(i))
+            issue_tile(descs, bufs, bars, page * PAGE)
+    page_next = gl.load(pages + t_lo + (NUM_BUF - 1), mask=NUM_BUF - 1 < n_tiles, other=0)
+
+    SC_L: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0], [0, 0]],
+        block_bases=[],
+        shape=[64, 4],
+    )
+    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    RED_S: gl.constexpr = rows_by_heads(H, 2, 8)
+    RED_O: gl.constexpr = rows_by_heads(H, 1, 8)
+    TOP_L: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0]],
+        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0], [0, 0]],
+        block_bases=[],
+        shape=[4, 4],
+    )
+    key = gl.arange(0, 64, layout=KEYS)
+    o0 = gl.zeros([128, H], gl.float32, O_L)
+    o1 = gl.zeros([128, H], gl.float32, O_L)
+    o2 = gl.zeros([128, H], gl.float32, O_L)
+    o3 = gl.zeros([128, H], gl.float32, O_L)
+    top0 = 0.0
+    top1 = 0.0
+    top2 = 0.0
+    top3 = 0.0
+    m_s = gl.full([H], -float("inf"), gl.float32, HEADS)  # the running references, as S and
+    m_o = gl.full([H], -float("inf"), gl.float32, HEADS_O)  # as O hold the heads
+    l_p = gl.zeros([64, H], gl.float32, S_L)
+    for i in range(n_tiles):
+        stage = i % NUM_BUF
+        gl.thread_barrier()
+        stages = (codes3_s, scale_s, rope_s)
+        bars_all = (ready_c, ready_s, ready_r)
+        phase = (i // NUM_BUF) & 1
+        mbarrier.wait(ready_s.index(stage), phase)
+        mbarrier.wait(ready_r.index(stage), phase)
+        mbarrier.wait(ready_c.index(stage), phase)
+        c0 = 4 * stage
+        n_valid = seqlen - (t_lo + i) * PAGE
+        valid = key < n_valid
+        sc = scale_s.index(stage).load(SC_L)
+        sc = gl.where((gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L)) < n_valid)[:, None], sc,
+                      0.0)  # fmt: skip
+        ex = (sc.to(gl.int32, bitcast=True) >> 23) << (8 * sc_cols[None, :])
+        ex = gl.convert_layout(gl.sum(ex, axis=1), KEYS)
+        sc0 = ((ex & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        zero = gl.zeros([64, H], gl.float32, S_L)
+        zero8 = gl.zeros([64, H], gl.float32, S8_L)
+        s = warpgroup_mma(rope_s.index(stage), qr_s.permute((1, 0)), zero, is_async=True)
+        p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(0).permute((1, 0)), zero8,
+                           is_async=True)  # fmt: skip
+        p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(1).permute((1, 0)), p0,
+                           is_async=True)  # fmt: skip
+        p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(2).permute((1, 0)), zero8,
+                           is_async=True)  # fmt: skip
+        p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(3).permute((1, 0)), p1,
+                           is_async=True)  # fmt: skip
+        p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(4).permute((1, 0)), zero8,
+                           is_async=True)  # fmt: skip
+        p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(5).permute((1, 0)), p2,
+                           is_async=True)  # fmt: skip
+        p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(6).permute((1, 0)), zero8,
+                           is_async=True)  # fmt: skip
+        p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3,
+                           is_async=True)  # fmt: skip
+        page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
+                               page_next)  # fmt: skip
+        s, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[s, p0, p1, p2, p3])
+        lat = gl.convert_layout(p0, S_L) * sc0[:, None] + gl.convert_layout(p1, S_L) * sc1[:, None]
+        lat += gl.convert_layout(p2, S_L) * sc2[:, None] + gl.convert_layout(p3, S_L) * sc3[:, None]
+        z = (lat * q_unscale[None, :] + s) * scale_log2
+        z = gl.where(valid[:, None], z, -float("inf"))
+        red_m.store(gl.max(gl.reshape(z, [4, 16, H]), axis=1))
+        red_t.store(gl.max(gl.reshape(sc, [4, 16, 4]), axis=1))
+        gl.thread_barrier()
+        mt_s = gl.convert_layout(gl.max(red_m.load(RED_S), axis=0), HEADS)
+        mt_o = gl.convert_layout(gl.max(red_m.load(RED_O), axis=0), HEADS_O)
+        tops = gl.convert_layout(gl.max(red_t.load(TOP_L), axis=0), gl.SliceLayout(0, SC_L))
+        tt0 = gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0)
+        tt1 = gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0)
+        tt2 = gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0)
+        tt3 = gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0)
+        mn_s = gl.where((mt_s > m_s + 8.0) | (mt_s != mt_s), mt_s, m_s)
+        mn_o = gl.where((mt_o > m_o + 8.0) | (mt_o != mt_o), mt_o, m_o)
+        new0 = gl.where(tt0 > top0 * 128.0, tt0, top0)
+        new1 = gl.where(tt1 > top1 * 128.0, tt1, top1)
+        new2 = gl.where(tt2 > top2 * 128.0, tt2, top2)
+        new3 = gl.where(tt3 > top3 * 128.0, tt3, top3)
+        p = gl.exp2(z - mn_s[None, :])
+        moved = gl.max((mn_o != m_o).to(gl.int32), axis=0)
+        moved = moved | (new0 != top0) | (new1 != top1) | (new2 != top2) | (new3 != top3)
+        if moved:
+            alpha = gl.exp2(m_o - mn_o)
+            o0 = o0 * (alpha * (top0 / new0))[None, :]
+            o1 = o1 * (alpha * (top1 / new1))[None, :]
+            o2 = o2 * (alpha * (top2 / new2))[None, :]
+            o3 = o3 * (alpha * (top3 / new3))[None, :]
+            l_p = l_p * gl.exp2(m_s - mn_s)[None, :]
+        l_p = l_p + p
+        m_s = mn_s
+        m_o = mn_o
+        p0_s.store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
+        p1_s.store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
+        p2_s.store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
+        p3_s.store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        o0 = warpgroup_mma(v_operand_2wg(codes16_s.index(c0 + 0), A_V), p0_s.permute((1, 0)), o0)
+        o1 = warpgroup_mma(v_operand_2wg(codes16_s.index(c0 + 1), A_V), p1_s.permute((1, 0)), o1)
+        o2 = warpgroup_mma(v_operand_2wg(codes16_s.index(c0 + 2), A_V), p2_s.permute((1, 0)), o2)
+        o3 = warpgroup_mma(v_operand_2wg(codes16_s.index(c0 + 3), A_V), p3_s.permute((1, 0)), o3)
+        top0 = new0
+        top1 = new1
+        top2 = new2
+        top3 = new3
+
+    l_i = gl.sum(l_p, axis=0)
+    lse2 = gl.where(l_i > 0.0, m_s + gl.log2(l_i), -float("inf"))
+    l_o = gl.convert_layout(l_i, HEADS_O)
+    inv_l = gl.where(l_o > 0.0, 1.0 / l_o, 0.0)
+    heads_o = gl.arange(0, H, layout=HEADS_O)
+    mo = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
+    # row 16w + 8h + g -> channel 16w + 2g + h of the scale tile
+    chan = 16 * (mo >> 4) + 2 * (mo & 7) + ((mo >> 3) & 1)
+    base = o_part_ptr + (b * SPLITS + split).to(gl.int64) * 512 * H + heads_o[None, :]
+    gl.store(base + chan[:, None] * H, o0 * (top0 * inv_l)[None, :])
+    gl.store(base + (128 + chan[:, None]) * H, o1 * (top1 * inv_l)[None, :])
+    gl.store(base + (256 + chan[:, None]) * H, o2 * (top2 * inv_l)[None, :])
+    gl.store(base + (384 + chan[:, None]) * H, o3 * (top3 * inv_l)[None, :])
+    heads = gl.arange(0, H, layout=HEADS)
+    gl.store(lse_part_ptr + (b * SPLITS + split) * H + heads, lse2)
+
+
 @triton.jit
 def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, H: tl.constexpr,
-                   SPLITS: tl.constexpr, D_BLOCK: tl.constexpr):  # fmt: skip
+                   SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+                   D_BLOCK: tl.constexpr):  # fmt: skip
     """One program a (sequence, block of D_BLOCK channels) over every head: the splits'
-    partial out [split, channel, head] weighted by their lse."""
+    partial out [split, channel, head] weighted by their lse (a sequence of no keys: 0)."""
     b = tl.program_id(0)
     d0 = tl.program_id(1) * D_BLOCK
-    sp = tl.arange(0, SPLITS)
+    sp = tl.arange(0, SPLITS_P2)
+    live = sp < SPLITS
     h = tl.arange(0, H)
-    lse = tl.load(lse_part_ptr + (b * SPLITS + sp[:, None]) * H + h[None, :])  # [SPLITS, H]
+    lse = tl.load(lse_part_ptr + (b * SPLITS + sp[:, None]) * H + h[None, :], mask=live[:, None],
+                  other=-float("inf"))  # fmt: skip
     top = tl.max(lse, axis=0)
     w = tl.where(lse == -float("inf"), 0.0, tl.exp2(lse - top[None, :]))
     total = tl.sum(w, axis=0)
     d = d0 + tl.arange(0, D_BLOCK)
     offs = ((b * SPLITS + sp[:, None, None]) * 512 + d[None, :, None]) * H + h[None, None, :]
-    o = tl.load(o_part_ptr + offs)  # [SPLITS, D_BLOCK, H]
-    out = tl.sum(o * (w / total[None, :])[:, None, :], axis=0)  # [D_BLOCK, H]
+    o = tl.load(o_part_ptr + offs, mask=live[:, None, None], other=0.0)  # [splits, D_BLOCK, H]
+    share = tl.where(total > 0.0, w / total[None, :], 0.0)
+    out = tl.sum(o * share[:, None, :], axis=0)  # [D_BLOCK, H]
     tl.store(out_ptr + (b * H + h[None, :]) * 512 + d[:, None], out.to(tl.bfloat16))
     if d0 == 0:
         tl.store(lse_ptr + b * H + h, (top + tl.log2(total)) / 1.4426950408889634)
@@ -560,19 +876,27 @@ def descriptors(cache: torch.Tensor):
 
 
 def decode(q, cache, table, seqlens, splits, descs=None, num_buf=3, asyn=True, s_fp8=False,
-           lazy=False):  # fmt: skip
+           lazy=False, wgs=1):  # fmt: skip
     batch, _, heads, _ = q.shape
     descs = descs or descriptors(cache)
     o_part = torch.empty(batch * splits * heads * 512, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(batch * splits * heads, device=q.device, dtype=torch.float32)
-    keys_as_rows_kernel[(batch, splits)](
-        q, table, seqlens, o_part, lse_part, q.stride(0), table.stride(0),
-        576**-0.5 * 1.4426950408889634, *descs, H=heads, SPLITS=splits, NUM_BUF=num_buf, ASYNC=asyn,
-        S_FP8=s_fp8, LAZY=lazy, num_warps=4,
-    )  # fmt: skip
+    if wgs == 2:
+        keys_as_rows_2wg_kernel[(batch, splits)](
+            q, table, seqlens, o_part, lse_part, q.stride(0), table.stride(0),
+            576**-0.5 * 1.4426950408889634, *descs, H=heads, SPLITS=splits, NUM_BUF=num_buf,
+            num_warps=8,
+        )  # fmt: skip
+    else:
+        keys_as_rows_kernel[(batch, splits)](
+            q, table, seqlens, o_part, lse_part, q.stride(0), table.stride(0),
+            576**-0.5 * 1.4426950408889634, *descs, H=heads, SPLITS=splits, NUM_BUF=num_buf,
+            ASYNC=asyn, S_FP8=s_fp8, LAZY=lazy, num_warps=4,
+        )  # fmt: skip
     out = torch.empty(batch, 1, heads, 512, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, 1, device=q.device, dtype=torch.float32)
     combine_kernel[(batch, 512 // 64)](o_part, lse_part, out, lse, H=heads, SPLITS=splits,
+                                       SPLITS_P2=triton.next_power_of_2(splits),
                                        D_BLOCK=64)  # fmt: skip
     return out, lse
 
@@ -590,6 +914,7 @@ def main() -> None:
     ap.add_argument("--async", dest="asyn", default="0,1", help="1: pipelined MMAs, 0: each waited")
     ap.add_argument("--s-fp8", default="0,1", help="1: S by e4m3 MMAs (codes x q's two e4m3 parts)")
     ap.add_argument("--lazy", default="0,1", help="1: O rescaled only when a reference moves far")
+    ap.add_argument("--wgs", default="1,2", help="2: the 8-warp kernel (e4m3 S, lazy; its own)")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -615,17 +940,20 @@ def main() -> None:
                 callers["fp8_ds_mla (kvgen wgmma)"] = functools.partial(call, *args_)
         descs = descriptors(cache)
         configs = [
-            (s, int(nb), int(a), int(f8), int(lz))
+            (s, int(nb), int(a), int(f8), int(lz), int(wg))
             for s in [int(x) for x in args.splits.split(",")]
             for nb in args.bufs.split(",")
             for a in args.asyn.split(",")
             for f8 in args.s_fp8.split(",")
             for lz in args.lazy.split(",")
+            for wg in args.wgs.split(",")
+            if wg == "1" or (a, f8, lz) == ("0", "1", "1")
         ]
-        for splits, nb, a, f8, lz in configs:
+        for splits, nb, a, f8, lz, wg in configs:
             name = f"keys-as-rows splits={splits} bufs={nb} async={a} s_fp8={f8} lazy={lz}"
+            name += " 8 warps" if wg == 2 else ""
             call = functools.partial(decode, q, cache, table, sl, splits, descs,
-                                     nb, bool(a), bool(f8), bool(lz))  # fmt: skip
+                                     nb, bool(a), bool(f8), bool(lz), wg)  # fmt: skip
             try:
                 call()
                 torch.cuda.synchronize()
