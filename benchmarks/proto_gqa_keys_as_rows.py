@@ -1,5 +1,5 @@
-"""Experiment: the paged GQA decode over int8 per-token-head caches with the keys as the MMA's
-rows and integer MMAs (sm90, Gluon).
+"""Experiment: the paged GQA decode over int8 and fp8 e4m3 per-token-head caches with the keys as
+the MMA's rows (sm90, Gluon): integer MMAs for int8, e4m3 MMAs for fp8.
 
 kvgen's GQA decode (gqa_decode.py.j2) pads a KV head's query rows (the group, 4 at 32 / 8
 heads) to the MMA's 16 and converts every K and V code to fp16 (about 44 warp instructions a
@@ -16,16 +16,19 @@ softmax weights times each key's V scale, P' = p * v_scale[key], go to 14-bit in
 same way against a bound of their largest in the page (per head), two int8 parts, and each
 page's integer product is added to O in fp32. V^T's A operand is V's codes, bytes moved
 between registers (no conversion). K and V come by cp.async, 16 bytes a thread, through a
-ring of NUM_BUF stages; the scales by plain loads.
+ring of NUM_BUF stages; the scales by plain loads. The fp8 e4m3 cache (FP8) takes the same
+path with e4m3 MMAs and fp32 accumulators: q in two e4m3 parts (below 2^8 after the per-head
+scale; exact for bf16 values within 2^10 of the head's largest) and P' in two e4m3 parts
+(below 2^8 against its bound), each pair of MMAs into one accumulator.
 
 One program a (sequence, KV head, split) with 4 warps; block size 16; s_q 1; head 128.
 
-    python benchmarks/proto_gqa_keys_as_rows.py [--heads 32,64] [--splits 1,2] [--bufs 3]
-        [--json F]
+    python benchmarks/proto_gqa_keys_as_rows.py [--heads 32,64] [--kv int8,fp8e4m3]
+        [--splits 1,2] [--bufs 3] [--json F]
 
-It times the kernel beside kvgen's GQA decode over the bf16 cache and over the int8 one (the op,
-tuned configs), in one process, and checks each against the float64 reference over the
-dequantized int8 cache (the bf16 row's error is therefore the quantization's).
+It times the kernel beside kvgen's GQA decode over the bf16 cache and over each quantized one
+(the op, tuned configs), in one process, and checks each against the float64 reference over its
+dequantized cache (the bf16 row against the first format's: its error is the quantization's).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def issue_tile(k_s, v_s, k_ptr, v_ptr, pages, t, seqlen, kv_off, stride_blk, str
 def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr, o_part_ptr,
                     lse_part_ptr, stride_qb, stride_qh, stride_blk, stride_slot, stride_sblk,
                     stride_sslot, stride_tb, scale_log2, G: gl.constexpr, N: gl.constexpr,
-                    SPLITS: gl.constexpr, NUM_BUF: gl.constexpr):  # fmt: skip
+                    SPLITS: gl.constexpr, NUM_BUF: gl.constexpr, FP8: gl.constexpr):  # fmt: skip
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
@@ -128,23 +131,30 @@ def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr,
     q_rows = q_ptr + b.to(gl.int64) * stride_qb + (kvh * G + hq[:, None]) * stride_qh
     q = gl.load(q_rows + ch[None, :], mask=(hq < G)[:, None], other=0.0).to(gl.float32)
     top = gl.max(gl.abs(q), axis=1)
-    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - 13  # top < 2^(expo + 13)
+    # int8: top < 2^(expo + 13) (two int8 parts); fp8: top < 2^(expo + 8) (two e4m3 parts)
+    expo = ((top.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127 + 1 - (8 if FP8 else 13)
     expo = gl.minimum(gl.maximum(expo, -100), 100)
     q_scale = ((127 - expo) << 23).to(gl.float32, bitcast=True)
     q_unscale = gl.convert_layout(((127 + expo) << 23).to(gl.float32, bitcast=True), HEADS)
-    q_hi, q_lo = split_14(rint(q * q_scale[:, None]))
-    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 128], gl.int8)
-    qh_s = gl.allocate_shared_memory(gl.int8, [N, 128], q_sl)
-    ql_s = gl.allocate_shared_memory(gl.int8, [N, 128], q_sl)
+    CODE: gl.constexpr = gl.float8e4nv if FP8 else gl.int8
+    if FP8:
+        xq = q * q_scale[:, None]
+        q_hi = xq.to(gl.float8e4nv)
+        q_lo = (xq - q_hi.to(gl.float32)).to(gl.float8e4nv)
+    else:
+        q_hi, q_lo = split_14(rint(q * q_scale[:, None]))
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 128], CODE)
+    qh_s = gl.allocate_shared_memory(CODE, [N, 128], q_sl)
+    ql_s = gl.allocate_shared_memory(CODE, [N, 128], q_sl)
     qh_s.store(q_hi)
     ql_s.store(q_lo)
 
-    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.int8)
-    k_s = gl.allocate_shared_memory(gl.int8, [NUM_BUF, 64, 128], kv_sl)
-    v_s = gl.allocate_shared_memory(gl.int8, [NUM_BUF, 64, 128], kv_sl)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 64], gl.int8)
-    ph_s = gl.allocate_shared_memory(gl.int8, [N, 64], p_sl)
-    pl_s = gl.allocate_shared_memory(gl.int8, [N, 64], p_sl)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], CODE)
+    k_s = gl.allocate_shared_memory(CODE, [NUM_BUF, 64, 128], kv_sl)
+    v_s = gl.allocate_shared_memory(CODE, [NUM_BUF, 64, 128], kv_sl)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 64], CODE)
+    ph_s = gl.allocate_shared_memory(CODE, [N, 64], p_sl)
+    pl_s = gl.allocate_shared_memory(CODE, [N, 64], p_sl)
     red_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     red_m = gl.allocate_shared_memory(gl.float32, [4, N], red_sl)
     red_v = gl.allocate_shared_memory(gl.float32, [4, N], red_sl)
@@ -170,8 +180,9 @@ def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr,
     o = gl.zeros([128, N], gl.float32, S_L)
     m_i = gl.full([N], -float("inf"), gl.float32, HEADS)
     l_p = gl.zeros([64, N], gl.float32, S_L)
-    zero = gl.zeros([64, N], gl.int32, S_L)
-    zero_o = gl.zeros([128, N], gl.int32, S_L)
+    ACC: gl.constexpr = gl.float32 if FP8 else gl.int32
+    zero = gl.zeros([64, N], ACC, S_L)
+    zero_o = gl.zeros([128, N], ACC, S_L)
     for i in range(n_tiles):
         stage = i % NUM_BUF
         t = t_lo + i
@@ -192,10 +203,15 @@ def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr,
                        kv_off, stride_blk, stride_slot)  # fmt: skip
         async_copy.commit_group()
         kt = k_s.index(stage)
-        s_hi = warpgroup_mma(kt, qh_s.permute((1, 0)), zero, is_async=True)
-        s_lo = warpgroup_mma(kt, ql_s.permute((1, 0)), zero, is_async=True)
-        s_hi, s_lo = warpgroup_mma_wait(0, deps=[s_hi, s_lo])
-        s = (s_hi * 128 + s_lo).to(gl.float32)
+        if FP8:  # q = hi + lo into one accumulator
+            s = warpgroup_mma(kt, qh_s.permute((1, 0)), zero, is_async=True)
+            s = warpgroup_mma(kt, ql_s.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s])
+        else:  # exact in int32: 128 S_hi + S_lo
+            s_hi = warpgroup_mma(kt, qh_s.permute((1, 0)), zero, is_async=True)
+            s_lo = warpgroup_mma(kt, ql_s.permute((1, 0)), zero, is_async=True)
+            s_hi, s_lo = warpgroup_mma_wait(0, deps=[s_hi, s_lo])
+            s = (s_hi * 128 + s_lo).to(gl.float32)
         z = s * (k_sc * scale_log2)[:, None] * q_unscale[None, :]
         z = gl.where(valid[:, None], z, -float("inf"))
         red_m.store(gl.max(gl.reshape(z, [4, 16, N]), axis=1))
@@ -216,9 +232,14 @@ def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr,
         # P' = p * v_scale against a bound of its page's largest per head: exp2(m_tile - m_new)
         # times the page's largest V scale (>= every p * v_scale of the head in the page)
         bound = gl.exp2(gl.minimum(m_tile - m_new, 8.0)) * v_top
-        unit = gl.where(bound > 0.0, bound * (1.0 / 8000.0), 1.0)  # P' = unit * x, x < 2^13
-        x = rint(p * v_sc[:, None] / unit[None, :])
-        p_hi, p_lo = split_14(x)
+        # P' = unit * x: x < 2^13 in 14-bit integers (int8), x < 2^8 in two e4m3 parts (fp8)
+        unit = gl.where(bound > 0.0, bound * (1.0 / (256.0 if FP8 else 8000.0)), 1.0)
+        if FP8:
+            x = p * v_sc[:, None] / unit[None, :]
+            p_hi = x.to(gl.float8e4nv)
+            p_lo = (x - p_hi.to(gl.float32)).to(gl.float8e4nv)
+        else:
+            p_hi, p_lo = split_14(rint(p * v_sc[:, None] / unit[None, :]))
         ph_s.store(p_hi.permute((1, 0)))
         pl_s.store(p_lo.permute((1, 0)))
         fence_async_shared()
@@ -226,10 +247,16 @@ def gqa_rows_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, seqlens_ptr,
         w = v_s.index(stage).load(V_BYTES)
         vt = w.permute((1, 0)).reshape([4, 8, 2, 2, 64]).permute((2, 0, 3, 1, 4)).reshape([128, 64])
         vt = gl.convert_layout(vt, A_V)
-        o_hi = warpgroup_mma(vt, ph_s.permute((1, 0)), zero_o, is_async=True)
-        o_lo = warpgroup_mma(vt, pl_s.permute((1, 0)), zero_o, is_async=True)
-        o_hi, o_lo = warpgroup_mma_wait(0, deps=[o_hi, o_lo])
-        o += (o_hi * 128 + o_lo).to(gl.float32) * unit[None, :]
+        if FP8:
+            o_t = warpgroup_mma(vt, ph_s.permute((1, 0)), zero_o, is_async=True)
+            o_t = warpgroup_mma(vt, pl_s.permute((1, 0)), o_t, is_async=True)
+            o_t = warpgroup_mma_wait(0, deps=[o_t])
+            o += o_t * unit[None, :]
+        else:
+            o_hi = warpgroup_mma(vt, ph_s.permute((1, 0)), zero_o, is_async=True)
+            o_lo = warpgroup_mma(vt, pl_s.permute((1, 0)), zero_o, is_async=True)
+            o_hi, o_lo = warpgroup_mma_wait(0, deps=[o_hi, o_lo])
+            o += (o_hi * 128 + o_lo).to(gl.float32) * unit[None, :]
     async_copy.wait_group(0)
 
     # --- partial out (normalised) and lse (log2) of this split: [split, channel, head]
@@ -277,6 +304,8 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, G: tl.constexpr, 
 
 def decode(q, k, v, ks, vs, table, seqlens, splits, num_buf=3):
     batch, _, heads, d = q.shape
+    if k.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"int8 or float8_e4m3fn caches only, not {k.dtype}")
     h_kv = k.shape[2]
     g = heads // h_kv
     n = max(8, triton.next_power_of_2(g))
@@ -286,7 +315,8 @@ def decode(q, k, v, ks, vs, table, seqlens, splits, num_buf=3):
     gqa_rows_kernel[(batch, h_kv, splits)](
         q, k, v, ks, vs, table, seqlens, o_part, lse_part, q.stride(0), q.stride(2), k.stride(0),
         k.stride(1), ks.stride(0), ks.stride(1), table.stride(0), d**-0.5 * 1.4426950408889634,
-        G=g, N=n, SPLITS=splits, NUM_BUF=num_buf, num_warps=4,
+        G=g, N=n, SPLITS=splits, NUM_BUF=num_buf, FP8=k.dtype == torch.float8_e4m3fn,
+        num_warps=4,
     )  # fmt: skip
     out = torch.empty(batch, 1, heads, d, device=q.device, dtype=torch.bfloat16)
     lse = torch.empty(batch, heads, 1, device=q.device, dtype=torch.float32)
@@ -303,6 +333,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="32,64")
+    ap.add_argument("--kv", default="int8,fp8e4m3", help="the quantized caches (int8, fp8e4m3)")
     ap.add_argument("--splits", default="1,2")
     ap.add_argument("--bufs", default="3")
     ap.add_argument("--json")
@@ -311,66 +342,68 @@ def main() -> None:
     copy_bw = harness.copy_bandwidth(dev)
     print(f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     lengths = [4096] * 128
+    formats = args.kv.split(",")
     results = []
     for h in [int(x) for x in args.heads.split(",")]:
-        callers = {}
-        probs = {}
-        for label, kv in (("bf16", "auto"), ("int8", "int8")):
-            probs[label] = bg.problem(kv, 0, lengths, h, dev)
-            qq, kk, vv, kss, vss, tt, ss = probs[label]
+        callers = {}  # name -> (format, call)
+        refs = {}
+        for kv in ["auto", *formats]:
+            q, k, v, ks, vs, table, sl = bg.problem(kv, 0, lengths, h, dev)
+            label = "bf16" if kv == "auto" else kv
 
-            def op(qq=qq, kk=kk, vv=vv, kss=kss, vss=vss, tt=tt, ss=ss):
+            def op(a=(q, k, v), ks=ks, vs=vs, table=table, sl=sl):
                 return flash_attn_with_kvcache(
-                    qq, kk, vv, cache_seqlens=ss, block_table=tt, return_softmax_lse=True,
-                    k_scale_cache=kss, v_scale_cache=vss,
+                    *a, cache_seqlens=sl, block_table=table, return_softmax_lse=True,
+                    k_scale_cache=ks, v_scale_cache=vs,
                 )  # fmt: skip
 
-            callers[f"{label} (kvgen)"] = op
-        q, k, v, ks, vs, table, sl = probs["int8"]
-        sub = slice(0, 2)
-        # the reference over the pages of the first two sequences only, renumbered
-        used = table[sub].reshape(-1).long()
-        small = torch.arange(used.numel(), dtype=torch.int32).reshape(table[sub].shape)
-        k_deq = dequantize_cache(k[used].cpu(), ks[used].cpu(), 128)
-        v_deq = dequantize_cache(v[used].cpu(), vs[used].cpu(), 128)
-        ref, ref_lse = gqa_decode(q[sub].cpu(), k_deq, v_deq, small, sl[sub].cpu())
-        for splits in [int(x) for x in args.splits.split(",")]:
-            for nb in [int(x) for x in args.bufs.split(",")]:
-                name = f"int8 keys-as-rows splits={splits} bufs={nb}"
+            callers[f"{label} (kvgen)"] = (label, op)
+            if kv == "auto":
+                continue
+            # the reference over the pages of the first two sequences only, renumbered
+            sub = slice(0, 2)
+            used = table[sub].reshape(-1).long()
+            small = torch.arange(used.numel(), dtype=torch.int32).reshape(table[sub].shape)
+            k_deq = dequantize_cache(k[used].cpu(), ks[used].cpu(), 128)
+            v_deq = dequantize_cache(v[used].cpu(), vs[used].cpu(), 128)
+            refs[label] = gqa_decode(q[sub].cpu(), k_deq, v_deq, small, sl[sub].cpu())
+            for splits in [int(x) for x in args.splits.split(",")]:
+                for nb in [int(x) for x in args.bufs.split(",")]:
+                    name = f"{label} keys-as-rows splits={splits} bufs={nb}"
 
-                def call(splits=splits, nb=nb, args=(q, k, v, ks, vs, table, sl)):
-                    return decode(*args, splits, nb)
+                    def call(splits=splits, nb=nb, a=(q, k, v, ks, vs, table, sl)):
+                        return decode(*a, splits, nb)
 
-                try:
-                    call()
-                    torch.cuda.synchronize()
-                    callers[name] = call
-                except Exception as exc:  # (a config that does not compile or fit: reported)
-                    print(f"h={h} {name}: {type(exc).__name__}: {str(exc)[-800:]}", flush=True)
+                    try:
+                        call()
+                        torch.cuda.synchronize()
+                        callers[name] = (label, call)
+                    except Exception as exc:  # (a config that does not compile or fit)
+                        print(f"h={h} {name}: {type(exc).__name__}: {str(exc)[-800:]}", flush=True)
         times = {n: [] for n in callers}
         for _ in range(3):
-            for n, call in callers.items():
+            for n, (_, call) in callers.items():
                 times[n].append(harness.graph_time_us(lambda i, call=call: call(), 1, calls=8,
                                                       replays=5))  # fmt: skip
         bf16_t = statistics.median(times["bf16 (kvgen)"])
-        for n, call in callers.items():
+        for n, (label, call) in callers.items():
             out, lse = call()
             torch.cuda.synchronize()
-            got = out[sub].float().cpu().double()
+            ref, ref_lse = refs[formats[0] if label == "bf16" else label]
+            got = out[:2].float().cpu().double()
             err = float((got - ref).norm() / ref.norm())
-            lse_err = float((lse[sub].cpu().double().reshape(-1) - ref_lse.reshape(-1)).abs().max())
+            lse_err = float((lse[:2].cpu().double().reshape(-1) - ref_lse.reshape(-1)).abs().max())
             t = statistics.median(times[n])
-            nbytes = bg.token_bytes("auto" if n.startswith("bf16") else "int8", 0)
+            nbytes = bg.token_bytes("auto" if label == "bf16" else label, 0)
             bw = sum(lengths) * nbytes / (t * 1e-6)
             row = dict(heads=h, kernel=n, us=t, vs_bf16=t / bf16_t, bytes_per_token=nbytes,
                        gbps=bw / 1e9, of_copy=bw / copy_bw, rel_err_out=err,
                        max_err_lse=lse_err)  # fmt: skip
             results.append(row)
-            print(f"h={h:3d} {n:40s} {t:8.1f} us  x{t / bf16_t:.2f} of bf16  "
+            print(f"h={h:3d} {n:44s} {t:8.1f} us  x{t / bf16_t:.2f} of bf16  "
                   f"{bw / 1e9:6.0f} GB/s ({bw / copy_bw:.2f} of copy)  "
                   f"out err {err:.1e}  lse err {lse_err:.1e}", flush=True)  # fmt: skip
         callers.clear()
-        probs.clear()
         torch.cuda.empty_cache()
     if args.json:
         env = harness.environment()
