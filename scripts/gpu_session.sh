@@ -13,6 +13,9 @@
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
+#   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
+#                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
+#                                  beside kvgen's decodes in its process, with their JSON
 # KVGEN_COMMIT, when set, is the commit the bench records (a copied checkout's .git may be
 # older than its files). kvgen is installed from this checkout into /tmp/kv (no network: wheels of what the machine
 # lacks, e.g. optuna for the tuner tests, may be put in .whl/ and are installed first).
@@ -62,8 +65,16 @@ case "${1:-tests}" in
       --json "$out/compare-tuned-$day.json" 2>&1 | tee "$out/compare-tuned-$day.txt" |
       tail -n 40 || rc=1
     ;;
+  protos)
+    python3 -P benchmarks/proto_keys_as_rows.py --heads 16,32 --splits 1,2 --bufs 2 --async 0 \
+      --s-fp8 1 --lazy 1 --wgs 1,2 --json "$out/proto-keys-as-rows-$day.json" 2>&1 |
+      grep "^h=" || rc=1
+    python3 -P benchmarks/proto_gqa_keys_as_rows.py --heads 32,64 --kv int8,fp8e4m3 \
+      --splits 1,2 --bufs 3 --json "$out/proto-gqa-keys-as-rows-$day.json" 2>&1 |
+      grep "^h=" || rc=1
+    ;;
   *)
-    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]" >&2
+    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|protos" >&2
     exit 2
     ;;
 esac
