@@ -224,18 +224,163 @@ def issue_next(i, n_tiles, NUM_BUF: gl.constexpr, descs, stages, bars_all, pages
 
 
 @gluon.jit
+def page_range(seqlens_ptr, b, split, SPLITS: gl.constexpr):
+    """(the sequence's length, its split's first page, the split's pages)."""
+    seqlen = gl.load(seqlens_ptr + b)
+    tiles = (seqlen + PAGE - 1) // PAGE
+    per = (tiles + SPLITS - 1) // SPLITS
+    t_lo = split * per
+    t_hi = gl.minimum(t_lo + per, tiles)
+    return seqlen, t_lo, gl.maximum(t_hi - t_lo, 0)
+
+
+@gluon.jit
+def staging(NUM_BUF: gl.constexpr):
+    """The ring a page's three parts land in, and their mbarriers (initialised): a page's codes
+    by one 3-D copy [4 scale tiles, 64 keys, 128 bytes] (the kernels view the same bytes as
+    e4m3 tiles or words), its scales and its RoPE part."""
+    c3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    codes3_s = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, 4, 64, 128], c3_sl)
+    scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
+    scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
+    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
+    ready_c = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_s = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ready_r = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(ready_c.index(i), count=1)
+        mbarrier.init(ready_s.index(i), count=1)
+        mbarrier.init(ready_r.index(i), count=1)
+    return (codes3_s, scale_s, rope_s), (ready_c, ready_s, ready_r)
+
+
+@gluon.jit
+def first_copies(descs, stages, bars_all, pages, t_lo, n_tiles, NUM_BUF: gl.constexpr):
+    """The copies of the split's first NUM_BUF - 1 pages; returns the page index after them
+    (loaded a page ahead of its copy, its latency off the loop's path)."""
+    codes3_s, scale_s, rope_s = stages
+    ready_c, ready_s, ready_r = bars_all
+    for i in gl.static_range(NUM_BUF - 1):
+        if i < n_tiles:
+            page = gl.load(pages + t_lo + i)
+            bufs = (codes3_s.index(i), scale_s.index(i), rope_s.index(i))
+            bars = (ready_c.index(i), ready_s.index(i), ready_r.index(i))
+            issue_tile(descs, bufs, bars, page * PAGE)
+    return gl.load(pages + t_lo + (NUM_BUF - 1), mask=NUM_BUF - 1 < n_tiles, other=0)
+
+
+@gluon.jit
+def wait_page(bars_all, stage, phase):
+    ready_c, ready_s, ready_r = bars_all
+    mbarrier.wait(ready_s.index(stage), phase)
+    mbarrier.wait(ready_r.index(stage), phase)
+    mbarrier.wait(ready_c.index(stage), phase)
+
+
+@gluon.constexpr_function
+def scale_layout(warps):
+    """A page's scales [64 keys, 4 tiles]: a thread holds the 4 scales of the keys its S
+    accumulator rows are (warps past 4 hold copies)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]],
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]] + [[0, 0]] * (warps.bit_length() - 3),
+        block_bases=[],
+        shape=[64, 4],
+    )
+
+
+@gluon.constexpr_function
+def tops_layout(warps):
+    """[4 row-warps, 4 scale tiles] whole in every thread."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0]],
+        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0]] * (warps.bit_length() - 1),
+        block_bases=[],
+        shape=[4, 4],
+    )
+
+
+@gluon.jit
+def page_scales(scale_stage, n_valid, SC_L: gl.constexpr, KEYS: gl.constexpr):
+    """A page's scales (0 past the length) and each key's four power-of-two scales in the S
+    accumulator's key layout: as one word of exponent bytes (one layout conversion, not four;
+    a NaN scale becomes +inf, which still makes the tile NaN)."""
+    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    sc = scale_stage.load(SC_L)
+    sc = gl.where((gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L)) < n_valid)[:, None], sc, 0.0)
+    ex = (sc.to(gl.int32, bitcast=True) >> 23) << (8 * sc_cols[None, :])
+    ex = gl.convert_layout(gl.sum(ex, axis=1), KEYS)
+    sc0 = ((ex & 0xFF) << 23).to(gl.float32, bitcast=True)
+    sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
+    sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
+    sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
+    return sc, sc0, sc1, sc2, sc3
+
+
+@gluon.jit
+def s_fp8_mmas(codes8_s, c0, q_s, zero8):
+    """The page's four scale tiles' S parts, codes . (q_hi + q_lo), issued asynchronously."""
+    p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(0).permute((1, 0)), zero8, is_async=True)
+    p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(1).permute((1, 0)), p0, is_async=True)
+    p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(2).permute((1, 0)), zero8, is_async=True)
+    p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(3).permute((1, 0)), p1, is_async=True)
+    p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(4).permute((1, 0)), zero8, is_async=True)
+    p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(5).permute((1, 0)), p2, is_async=True)
+    p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(6).permute((1, 0)), zero8, is_async=True)
+    p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3, is_async=True)
+    return p0, p1, p2, p3
+
+
+@gluon.jit
+def page_tops(red_t, TOP_L: gl.constexpr, SC_L: gl.constexpr):
+    """Each scale tile's largest scale in the page, from the warps' exchanged ones."""
+    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    tops = gl.convert_layout(gl.max(red_t.load(TOP_L), axis=0), gl.SliceLayout(0, SC_L))
+    tt0 = gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0)
+    tt1 = gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0)
+    tt2 = gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0)
+    tt3 = gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0)
+    return tt0, tt1, tt2, tt3
+
+
+@gluon.jit
+def lazy_tops(tts, tops):
+    """A scale tile's reference moves only when the page's largest scale is more than 2^7
+    times it (p * scale / top < 2^15, within fp16)."""
+    tt0, tt1, tt2, tt3 = tts
+    top0, top1, top2, top3 = tops
+    return (
+        gl.where(tt0 > top0 * 128.0, tt0, top0),
+        gl.where(tt1 > top1 * 128.0, tt1, top1),
+        gl.where(tt2 > top2 * 128.0, tt2, top2),
+        gl.where(tt3 > top3 * 128.0, tt3, top3),
+    )
+
+
+@gluon.jit
+def store_p(p, scales, tops, p_bufs):
+    """P of each scale tile (p * scale_t / top_t, fp16) into its own allocation, transposed
+    (the PV MMAs' B)."""
+    sc0, sc1, sc2, sc3 = scales
+    new0, new1, new2, new3 = tops
+    p0_s, p1_s, p2_s, p3_s = p_bufs
+    p0_s.store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
+    p1_s.store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
+    p2_s.store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
+    p3_s.store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+
+
+@gluon.jit
 def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
                         stride_qb, stride_tb, scale_log2, codes_desc, scale_desc, rope_desc,
                         H: gl.constexpr, SPLITS: gl.constexpr, NUM_BUF: gl.constexpr,
                         ASYNC: gl.constexpr, S_FP8: gl.constexpr, LAZY: gl.constexpr):  # fmt: skip
     b = gl.program_id(0)
     split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    tiles = (seqlen + PAGE - 1) // PAGE
-    per = (tiles + SPLITS - 1) // SPLITS
-    t_lo = split * per
-    t_hi = gl.minimum(t_lo + per, tiles)
-    n_tiles = gl.maximum(t_hi - t_lo, 0)
+    seqlen, t_lo, n_tiles = page_range(seqlens_ptr, b, split, SPLITS)
 
     S_L: gl.constexpr = mma_layout(H, 4)
     KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
@@ -280,19 +425,14 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     qr_s.store(gl.load(q_ptr + b.to(gl.int64) * stride_qb + hr[:, None] * 576 + 512 + cr[None, :]))
     q_unscale = gl.convert_layout(q_unscale, HEADS)
 
-    # --- the staging ring (TMA) and P
-    # a page's codes: one 3-D copy [4 scale tiles, 64 keys, 128 bytes]; the same bytes seen as
-    # e4m3 tiles (the S MMAs' A) and as words (the K / V^T operands' loads), one 128-byte swizzle
-    c3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-    codes3_s = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, 4, 64, 128], c3_sl)
+    # --- the staging ring (TMA) and P; the codes seen as e4m3 tiles (the S MMAs' A) and as
+    # words (the K / V^T operands' loads), one 128-byte swizzle
+    stages, bars_all = staging(NUM_BUF)
+    codes3_s, scale_s, rope_s = stages
     c8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     codes8_s = codes3_s._reinterpret(gl.float8e4nv, [NUM_BUF * 4, 64, 128], c8_sl)
     codes_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 32], gl.int32)
     codes_s = codes3_s._reinterpret(gl.int32, [NUM_BUF * 4, 64, 32], codes_sl)
-    scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
-    scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
-    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.float16)
     # P of each scale tile in its own allocation (the membar pass orders stores to one
     # allocation by CTA barriers)
@@ -304,43 +444,16 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
     red_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     red_m = gl.allocate_shared_memory(gl.float32, [4, H], red_sl)
     red_t = gl.allocate_shared_memory(gl.float32, [4, 4], red_sl)
-    ready_c = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ready_s = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ready_r = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready_c.index(i), count=1)
-        mbarrier.init(ready_s.index(i), count=1)
-        mbarrier.init(ready_r.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
     descs = (codes_desc, scale_desc, rope_desc)
     pages = table_ptr + b.to(gl.int64) * stride_tb
-    for i in gl.static_range(NUM_BUF - 1):
-        if i < n_tiles:
-            page = gl.load(pages + t_lo + i)
-            bufs = (codes3_s.index(i), scale_s.index(i), rope_s.index(i))
-            bars = (ready_c.index(i), ready_s.index(i), ready_r.index(i))
-            issue_tile(descs, bufs, bars, page * PAGE)
-    # the page of the next copy, loaded a page ahead (its latency off the loop's path)
-    page_next = gl.load(pages + t_lo + (NUM_BUF - 1), mask=NUM_BUF - 1 < n_tiles, other=0)
+    page_next = first_copies(descs, stages, bars_all, pages, t_lo, n_tiles, NUM_BUF)
 
-    SC_L: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]],
-        block_bases=[],
-        shape=[64, 4],
-    )
-    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    SC_L: gl.constexpr = scale_layout(4)
     # [4 warps, H] and [4 warps, 4] read whole by every thread, heads as S_L's columns
     RED_L: gl.constexpr = warps_by_heads(H)
-    TOP_L: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0]],
-        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0]],
-        block_bases=[],
-        shape=[4, 4],
-    )
+    TOP_L: gl.constexpr = tops_layout(4)
     key = gl.arange(0, 64, layout=KEYS)
     O_L: gl.constexpr = S_L
     o0 = gl.zeros([128, H], gl.float32, O_L)
@@ -360,49 +473,19 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
         # next copy is issued while the S MMAs run (the issuing thread waits for the copy
         # engine, and every warp would wait for it at the next barrier)
         gl.thread_barrier()
-        stages = (codes3_s, scale_s, rope_s)
-        bars_all = (ready_c, ready_s, ready_r)
         if not S_FP8:
             page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
                                    page_next)  # fmt: skip
-        phase = (i // NUM_BUF) & 1
-        mbarrier.wait(ready_s.index(stage), phase)
-        mbarrier.wait(ready_r.index(stage), phase)
-        mbarrier.wait(ready_c.index(stage), phase)
+        wait_page(bars_all, stage, (i // NUM_BUF) & 1)
         c0 = 4 * stage
         n_valid = seqlen - (t_lo + i) * PAGE
         valid = key < n_valid
-        sc = scale_s.index(stage).load(SC_L)
-        sc = gl.where((gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L)) < n_valid)[:, None], sc,
-                      0.0)  # fmt: skip
+        sc, sc0, sc1, sc2, sc3 = page_scales(scale_s.index(stage), n_valid, SC_L, KEYS)
         zero = gl.zeros([64, H], gl.float32, S_L)
-        # the four power-of-two scales of a key as one word of exponent bytes (one layout
-        # conversion, not four; a NaN scale becomes +inf, which still makes the tile NaN)
-        ex = (sc.to(gl.int32, bitcast=True) >> 23) << (8 * sc_cols[None, :])
-        ex = gl.convert_layout(gl.sum(ex, axis=1), KEYS)
-        sc0 = ((ex & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
         if S_FP8:  # every S MMA's operands in shared memory: issued together, one wait
             s = warpgroup_mma(rope_s.index(stage), qr_s.permute((1, 0)), zero, is_async=True)
             zero8 = gl.zeros([64, H], gl.float32, mma_layout(H, 4, 32))
-            p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(0).permute((1, 0)), zero8,
-                               is_async=True)  # fmt: skip
-            p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(1).permute((1, 0)), p0,
-                               is_async=True)  # fmt: skip
-            p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(2).permute((1, 0)), zero8,
-                               is_async=True)  # fmt: skip
-            p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(3).permute((1, 0)), p1,
-                               is_async=True)  # fmt: skip
-            p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(4).permute((1, 0)), zero8,
-                               is_async=True)  # fmt: skip
-            p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(5).permute((1, 0)), p2,
-                               is_async=True)  # fmt: skip
-            p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(6).permute((1, 0)), zero8,
-                               is_async=True)  # fmt: skip
-            p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3,
-                               is_async=True)  # fmt: skip
+            p0, p1, p2, p3 = s_fp8_mmas(codes8_s, c0, q_s, zero8)
             page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
                                    page_next)  # fmt: skip
             s, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[s, p0, p1, p2, p3])
@@ -454,20 +537,13 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
         red_t.store(gl.max(gl.reshape(sc, [4, 16, 4]), axis=1))
         gl.thread_barrier()
         m_tile = gl.convert_layout(gl.max(red_m.load(RED_L), axis=0), HEADS)
-        tops = gl.convert_layout(gl.max(red_t.load(TOP_L), axis=0), gl.SliceLayout(0, SC_L))
-        tt0 = gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0)
-        tt1 = gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0)
-        tt2 = gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0)
-        tt3 = gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0)
+        tt0, tt1, tt2, tt3 = page_tops(red_t, TOP_L, SC_L)
         if LAZY:
             # The references move only when a score is more than 8 above its head's (p < 2^8)
-            # or a scale more than 2^7 times its scale tile's (p * scale / top < 2^15, within
-            # fp16): most pages then leave O and the sums as they are.
+            # or a scale more than 2^7 times its scale tile's: most pages then leave O and the
+            # sums as they are.
             m_new = gl.where((m_tile > m_i + 8.0) | (m_tile != m_tile), m_tile, m_i)
-            new0 = gl.where(tt0 > top0 * 128.0, tt0, top0)
-            new1 = gl.where(tt1 > top1 * 128.0, tt1, top1)
-            new2 = gl.where(tt2 > top2 * 128.0, tt2, top2)
-            new3 = gl.where(tt3 > top3 * 128.0, tt3, top3)
+            new0, new1, new2, new3 = lazy_tops((tt0, tt1, tt2, tt3), (top0, top1, top2, top3))
         else:
             m_new = gl.maximum(m_i, m_tile)
             new0 = gl.maximum(top0, tt0)
@@ -486,10 +562,7 @@ def keys_as_rows_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
             o3 = o3 * (alpha * (top3 / new3))[None, :]
         l_p = l_p + p
         m_i = m_new
-        p0_s.store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
-        p1_s.store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
-        p2_s.store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
-        p3_s.store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+        store_p(p, (sc0, sc1, sc2, sc3), (new0, new1, new2, new3), (p0_s, p1_s, p2_s, p3_s))
         fence_async_shared()
         gl.thread_barrier()  # every warp's P in, every warp done with the stage read last
         if ASYNC:
@@ -618,12 +691,7 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
     them, so a thread holds half of O and converts half of a page's codes."""
     b = gl.program_id(0)
     split = gl.program_id(1)
-    seqlen = gl.load(seqlens_ptr + b)
-    tiles = (seqlen + PAGE - 1) // PAGE
-    per = (tiles + SPLITS - 1) // SPLITS
-    t_lo = split * per
-    t_hi = gl.minimum(t_lo + per, tiles)
-    n_tiles = gl.maximum(t_hi - t_lo, 0)
+    seqlen, t_lo, n_tiles = page_range(seqlens_ptr, b, split, SPLITS)
 
     S_L: gl.constexpr = mma_layout_2d(H, 4, 2)  # [64 keys, H]
     S8_L: gl.constexpr = mma_layout_2d(H, 4, 2, 32)
@@ -655,16 +723,12 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
     qr_s = gl.allocate_shared_memory(gl.bfloat16, [H, 64], qr_sl)
     qr_s.store(gl.load(q_base + 512 + cr[None, :]))
 
-    c3_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-    codes3_s = gl.allocate_shared_memory(gl.float8e4nv, [NUM_BUF, 4, 64, 128], c3_sl)
+    stages, bars_all = staging(NUM_BUF)
+    codes3_s, scale_s, rope_s = stages
     c8_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     codes8_s = codes3_s._reinterpret(gl.float8e4nv, [NUM_BUF * 4, 64, 128], c8_sl)
     c16_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.int16)
     codes16_s = codes3_s._reinterpret(gl.int16, [NUM_BUF * 4, 64, 64], c16_sl)
-    scale_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 4], gl.float32)
-    scale_s = gl.allocate_shared_memory(gl.float32, [NUM_BUF, 64, 4], scale_sl)
-    rope_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    rope_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_BUF, 64, 64], rope_sl)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, 64], gl.float16)
     p0_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
     p1_s = gl.allocate_shared_memory(gl.float16, [H, 64], p_sl)
@@ -673,42 +737,16 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
     red_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     red_m = gl.allocate_shared_memory(gl.float32, [4, H], red_sl)
     red_t = gl.allocate_shared_memory(gl.float32, [4, 4], red_sl)
-    ready_c = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ready_s = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ready_r = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(ready_c.index(i), count=1)
-        mbarrier.init(ready_s.index(i), count=1)
-        mbarrier.init(ready_r.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
     descs = (codes_desc, scale_desc, rope_desc)
     pages = table_ptr + b.to(gl.int64) * stride_tb
-    for i in gl.static_range(NUM_BUF - 1):
-        if i < n_tiles:
-            page = gl.load(pages + t_lo + i)
-            bufs = (codes3_s.index(i), scale_s.index(i), rope_s.index(i))
-            bars = (ready_c.index(i), ready_s.index(i), ready_r.index(i))
-            issue_tile(descs, bufs, bars, page * PAGE)
-    page_next = gl.load(pages + t_lo + (NUM_BUF - 1), mask=NUM_BUF - 1 < n_tiles, other=0)
+    page_next = first_copies(descs, stages, bars_all, pages, t_lo, n_tiles, NUM_BUF)
 
-    SC_L: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]],
-        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0], [0, 0]],
-        block_bases=[],
-        shape=[64, 4],
-    )
-    sc_cols = gl.arange(0, 4, layout=gl.SliceLayout(0, SC_L))
+    SC_L: gl.constexpr = scale_layout(8)
     RED_S: gl.constexpr = rows_by_heads(H, 2, 8)
     RED_O: gl.constexpr = rows_by_heads(H, 1, 8)
-    TOP_L: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0]],
-        lane_bases=[[0, 0], [0, 0], [0, 0], [0, 0], [0, 0]],
-        warp_bases=[[0, 0], [0, 0], [0, 0]],
-        block_bases=[],
-        shape=[4, 4],
-    )
+    TOP_L: gl.constexpr = tops_layout(8)
     key = gl.arange(0, 64, layout=KEYS)
     o0 = gl.zeros([128, H], gl.float32, O_L)
     o1 = gl.zeros([128, H], gl.float32, O_L)
@@ -724,43 +762,15 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
     for i in range(n_tiles):
         stage = i % NUM_BUF
         gl.thread_barrier()
-        stages = (codes3_s, scale_s, rope_s)
-        bars_all = (ready_c, ready_s, ready_r)
-        phase = (i // NUM_BUF) & 1
-        mbarrier.wait(ready_s.index(stage), phase)
-        mbarrier.wait(ready_r.index(stage), phase)
-        mbarrier.wait(ready_c.index(stage), phase)
+        wait_page(bars_all, stage, (i // NUM_BUF) & 1)
         c0 = 4 * stage
         n_valid = seqlen - (t_lo + i) * PAGE
         valid = key < n_valid
-        sc = scale_s.index(stage).load(SC_L)
-        sc = gl.where((gl.arange(0, 64, layout=gl.SliceLayout(1, SC_L)) < n_valid)[:, None], sc,
-                      0.0)  # fmt: skip
-        ex = (sc.to(gl.int32, bitcast=True) >> 23) << (8 * sc_cols[None, :])
-        ex = gl.convert_layout(gl.sum(ex, axis=1), KEYS)
-        sc0 = ((ex & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc1 = (((ex >> 8) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc2 = (((ex >> 16) & 0xFF) << 23).to(gl.float32, bitcast=True)
-        sc3 = (((ex >> 24) & 0xFF) << 23).to(gl.float32, bitcast=True)
+        sc, sc0, sc1, sc2, sc3 = page_scales(scale_s.index(stage), n_valid, SC_L, KEYS)
         zero = gl.zeros([64, H], gl.float32, S_L)
         zero8 = gl.zeros([64, H], gl.float32, S8_L)
         s = warpgroup_mma(rope_s.index(stage), qr_s.permute((1, 0)), zero, is_async=True)
-        p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(0).permute((1, 0)), zero8,
-                           is_async=True)  # fmt: skip
-        p0 = warpgroup_mma(codes8_s.index(c0 + 0), q_s.index(1).permute((1, 0)), p0,
-                           is_async=True)  # fmt: skip
-        p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(2).permute((1, 0)), zero8,
-                           is_async=True)  # fmt: skip
-        p1 = warpgroup_mma(codes8_s.index(c0 + 1), q_s.index(3).permute((1, 0)), p1,
-                           is_async=True)  # fmt: skip
-        p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(4).permute((1, 0)), zero8,
-                           is_async=True)  # fmt: skip
-        p2 = warpgroup_mma(codes8_s.index(c0 + 2), q_s.index(5).permute((1, 0)), p2,
-                           is_async=True)  # fmt: skip
-        p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(6).permute((1, 0)), zero8,
-                           is_async=True)  # fmt: skip
-        p3 = warpgroup_mma(codes8_s.index(c0 + 3), q_s.index(7).permute((1, 0)), p3,
-                           is_async=True)  # fmt: skip
+        p0, p1, p2, p3 = s_fp8_mmas(codes8_s, c0, q_s, zero8)
         page_next = issue_next(i, n_tiles, NUM_BUF, descs, stages, bars_all, pages, t_lo,
                                page_next)  # fmt: skip
         s, p0, p1, p2, p3 = warpgroup_mma_wait(0, deps=[s, p0, p1, p2, p3])
@@ -773,17 +783,10 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
         gl.thread_barrier()
         mt_s = gl.convert_layout(gl.max(red_m.load(RED_S), axis=0), HEADS)
         mt_o = gl.convert_layout(gl.max(red_m.load(RED_O), axis=0), HEADS_O)
-        tops = gl.convert_layout(gl.max(red_t.load(TOP_L), axis=0), gl.SliceLayout(0, SC_L))
-        tt0 = gl.sum(gl.where(sc_cols == 0, tops, 0.0), axis=0)
-        tt1 = gl.sum(gl.where(sc_cols == 1, tops, 0.0), axis=0)
-        tt2 = gl.sum(gl.where(sc_cols == 2, tops, 0.0), axis=0)
-        tt3 = gl.sum(gl.where(sc_cols == 3, tops, 0.0), axis=0)
+        tts = page_tops(red_t, TOP_L, SC_L)
         mn_s = gl.where((mt_s > m_s + 8.0) | (mt_s != mt_s), mt_s, m_s)
         mn_o = gl.where((mt_o > m_o + 8.0) | (mt_o != mt_o), mt_o, m_o)
-        new0 = gl.where(tt0 > top0 * 128.0, tt0, top0)
-        new1 = gl.where(tt1 > top1 * 128.0, tt1, top1)
-        new2 = gl.where(tt2 > top2 * 128.0, tt2, top2)
-        new3 = gl.where(tt3 > top3 * 128.0, tt3, top3)
+        new0, new1, new2, new3 = lazy_tops(tts, (top0, top1, top2, top3))
         p = gl.exp2(z - mn_s[None, :])
         moved = gl.max((mn_o != m_o).to(gl.int32), axis=0)
         moved = moved | (new0 != top0) | (new1 != top1) | (new2 != top2) | (new3 != top3)
@@ -797,10 +800,7 @@ def keys_as_rows_2wg_kernel(q_ptr, table_ptr, seqlens_ptr, o_part_ptr, lse_part_
         l_p = l_p + p
         m_s = mn_s
         m_o = mn_o
-        p0_s.store((p * (sc0 / new0)[:, None]).to(gl.float16).permute((1, 0)))
-        p1_s.store((p * (sc1 / new1)[:, None]).to(gl.float16).permute((1, 0)))
-        p2_s.store((p * (sc2 / new2)[:, None]).to(gl.float16).permute((1, 0)))
-        p3_s.store((p * (sc3 / new3)[:, None]).to(gl.float16).permute((1, 0)))
+        store_p(p, (sc0, sc1, sc2, sc3), (new0, new1, new2, new3), (p0_s, p1_s, p2_s, p3_s))
         fence_async_shared()
         gl.thread_barrier()
         o0 = warpgroup_mma(v_operand_2wg(codes16_s.index(c0 + 0), A_V), p0_s.permute((1, 0)), o0)
