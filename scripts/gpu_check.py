@@ -260,6 +260,47 @@ def gqa_decodes(formats=GQA_FORMATS) -> None:
             check(f"flash_attn_with_kvcache {kv} {layout} bad pages -> NaN", all(nan))
 
 
+def gqa_rows() -> None:
+    """The GQA decode's Hopper variant (rows) through its launcher, each query dtype:
+    the fewest and the most tiles in flight, a page size whose tiles cross pages, and block
+    tables naming pages outside the cache and lengths past the table (never read)."""
+    from kvgen.families.gqa_decode.verify import make_caches
+    from kvgen.formats.gqa_decode import gqa_decode
+    from kvgen.verify import block_table
+    from kvgen.verify import compare_attention as compare
+
+    specs = registry.variants(*runtime.local_target(), "gqa_decode")
+    specs = [s for s in specs if s.variant == "rows"]
+    check("gqa rows variants found", bool(specs) or DEV.type != "cuda")
+    gen = torch.Generator().manual_seed(0)
+    seqlens = [70, 0, 1, 130, 64, 257]
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    for spec in specs:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+        launch = load(spec).launch
+        for page, stages in ((16, 2), (8, 4)):
+            blocks, table = block_table(seqlens, page, gen)
+            keys = torch.randn(blocks * page, 2, 128, generator=gen)
+            values = torch.randn(blocks * page, 2, 128, generator=gen)
+            k, v, ks, vs, k_deq, v_deq = make_caches(spec.kv, 0, keys, values, page, DEV,
+                                                     dtype=dtype)  # fmt: skip
+            q = torch.randn(len(seqlens), 1, 8, 128, generator=gen).to(dtype)
+
+            def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, launch=launch):
+                return launch(q.to(DEV), k, v, ks, vs, table.to(DEV), sl.to(DEV), 128**-0.5,
+                              False, num_stages=stages, split_factor=4)  # fmt: skip
+
+            out, lse = run(table, sl)
+            ref = gqa_decode(q, k_deq, v_deq, table, sl)
+            check(f"{spec.name} page {page} stages {stages}", compare(out, lse, *ref)[0])
+            bad_table, bad_sl = table.clone(), sl.clone()
+            bad_table[0, 1], bad_table[3, 0] = blocks + 1000, -7
+            bad_sl[2] = 10**6  # far past its table row
+            bad_out, bad_lse = run(bad_table, bad_sl)
+            check(f"{spec.name} page {page} bad pages -> NaN",
+                  _nan_for(bad_out, bad_lse, out, (0, 2, 3)))  # fmt: skip
+
+
 SECTIONS = {
     f.__name__: f
     for f in (
@@ -269,6 +310,7 @@ SECTIONS = {
         mla_cache_stores,
         decodes,
         quantized_decodes,
+        gqa_rows,
     )
 }
 # (one section a GQA cache format: racecheck is slowest on these, and sections run side by side)

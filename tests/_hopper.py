@@ -1,4 +1,4 @@
-"""What the MLA decode tests share about the Hopper (wgmma, Gluon) variants."""
+"""What the decode tests share about the Hopper (Gluon) variants."""
 
 import pytest
 
@@ -6,10 +6,12 @@ import pytest
 MANY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 0, 127, 128, 129, 200, 257, 700]
 
 
-def hopper(specs):
-    """The wgmma (Gluon) specs of ``specs``; on a machine without an sm90 GPU, one skipped
-    case saying why (Gluon does not run in Triton's interpreter)."""
-    found = [s for s in specs if s.variant == "wgmma"]
+def hopper(specs, variant="wgmma"):
+    """The specs of ``specs`` of the Hopper (Gluon) ``variant``; on a machine without an sm90
+    GPU, one skipped case saying why (Gluon does not run in Triton's interpreter)."""
+    found = [s for s in specs if s.variant == variant]
     return found or [
-        pytest.param(None, marks=pytest.mark.skip(reason="wgmma: an sm90 GPU only"), id="wgmma")
+        pytest.param(
+            None, marks=pytest.mark.skip(reason=f"{variant}: an sm90 GPU only"), id=variant
+        )
     ]

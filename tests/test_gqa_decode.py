@@ -8,10 +8,14 @@ import math
 
 import pytest
 import torch
+from _hopper import MANY_LENGTHS, hopper
 
-from kvgen.families.gqa_decode.verify import make_caches
+from kvgen import registry
+from kvgen.codegen import load
+from kvgen.families.gqa_decode.verify import alloc_caches, make_caches
 from kvgen.formats.gqa_decode import gqa_decode
 from kvgen.ops import flash_attn_with_kvcache
+from kvgen.runtime import local_target
 from kvgen.verify import block_table
 from kvgen.verify import compare_attention as compare
 
@@ -166,3 +170,157 @@ def test_int4_group_follows_the_scale_shape(device):
     kwargs["k_scale_cache"] = kwargs["k_scale_cache"][..., :3]
     with pytest.raises(ValueError, match="scales a head"):
         flash_attn_with_kvcache(*args, **kwargs)
+
+
+# --- the Hopper variant (rows: Gluon, integer MMAs; an sm90 GPU only)
+
+ARCH, TARGET = local_target()
+ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
+
+
+def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    return _case(device, spec.kv, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page, dtype=dtype,
+                 seed=seed)  # fmt: skip
+
+
+def _launch(spec, args, kwargs, **meta):
+    q, k, v = args
+    return load(spec).launch(
+        q, k, v, kwargs["k_scale_cache"], kwargs["v_scale_cache"], kwargs["block_table"],
+        kwargs["cache_seqlens"], q.shape[-1] ** -0.5, False,
+        **spec.default_meta(rows=q.shape[2] // k.shape[2]) | meta,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+@pytest.mark.parametrize("h_q,h_kv,page", [(8, 2, 16), (1, 1, 64), (16, 1, 1), (26, 2, 256)])
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, num_stages, device):
+    """The rows kernel through its launcher: lengths around every 64-key tile and page edge (0,
+    1 and a long one), groups 1-16 (N 8 and 16, one not a power of two), pages of 1-256 keys,
+    the fewest and the most tiles in flight (a wrong phase of the ring reads a tile before or
+    after it is there), split and whole sequences."""
+    args, kwargs, ref_in = _rows_case(spec, device, h_q=h_q, h_kv=h_kv, page=page)
+    ref = gqa_decode(*ref_in)
+    for split_factor in (1, 16):
+        out, lse = _launch(spec, args, kwargs, num_stages=num_stages, split_factor=split_factor)
+        ok, rel, detail = compare(out, lse, *ref)
+        assert ok, (split_factor, rel, detail)
+        assert (out.cpu()[ref[1].permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
+
+
+@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+    args, kwargs, _ = _rows_case(spec, device, seqlens=(200, 130, 70))
+    good, good_lse = _launch(spec, args, kwargs)
+    table, sl = kwargs["block_table"].clone(), kwargs["cache_seqlens"].clone()
+    if bad == "page_past_end":
+        table[1, 1] = args[1].shape[0] + 99
+    elif bad == "negative_page":
+        table[1, 0] = -1
+    else:
+        sl[1] = table.shape[1] * args[1].shape[1] + 5
+    out, lse = _launch(spec, args, kwargs | dict(block_table=table, cache_seqlens=sl))
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
+
+
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
+    args, kwargs, ref_in = _rows_case(spec, device, seqlens=(70, 5))
+    q = args[0].clone()
+    q[0, 0, 1, 7] = float("nan")
+    q[1, 0, 6, 0] = -float("inf")
+    out, lse = _launch(spec, (q, *args[1:]), kwargs)
+    assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 0, 1].float()).all()
+    assert torch.isnan(lse[1, 6]).all()
+    keep = [h for h in range(8) if h != 1]
+    ref_out, ref_lse = gqa_decode(*ref_in)
+    ok, rel, detail = compare(out[:1, :, keep], lse[:1, keep], ref_out[:1, :, keep],
+                              ref_lse[:1, keep])  # fmt: skip
+    assert ok, (rel, detail)
+
+
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
+    """Rows not at multiples of 16 bytes (vLLM's 132-byte rows), several queries a sequence,
+    more than 16 query heads a KV head, pages that are not a power of two: ValueError from the
+    launcher; the op takes the portable variant for them, and is right."""
+    cases = [
+        (dict(layout="inline"), {}, "16 bytes"),
+        (dict(s_q=2), {}, "one query"),
+        (dict(h_q=32, h_kv=1), {}, "at most 16"),
+        (dict(page=24), {}, "power of two"),
+    ]
+    for change, _, text in cases:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+        args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype, **change)
+        with pytest.raises(ValueError, match=text):
+            _launch(spec, args, kwargs)
+        _check(args, kwargs, ref_in)
+
+
+def _tuned_doc(entries):
+    return {
+        "schema_version": 1,
+        "family": "gqa_decode",
+        "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x",
+                "torch": torch.__version__, "triton": __import__("triton").__version__},
+        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
+        "entries": entries,
+    }  # fmt: skip
+
+
+def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
+    """The op takes the Hopper variant on sm90 for int8 caches of 128-channel heads, one query a
+    sequence and 16-byte aligned rows, and only where tuning measured it faster than the
+    portable one at the bucket."""
+    import json
+
+    from kvgen import configs
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.ops._gqa_decode import choose
+
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
+    configs.reset()
+
+    def pick(kv="int8", s_q=1, h_q=32, h_kv=8, page=16, d=128, layout="nhd", arch="sm90"):
+        k, v, _, _ = alloc_caches(kv, 32 if kv == "int4" else 0, (4, page, h_kv), d, d,
+                                  torch.bfloat16, "cpu", layout)  # fmt: skip
+        q = torch.empty(2, s_q, h_q, d, dtype=torch.bfloat16)
+        bt = torch.zeros(2, 4, dtype=torch.int32)
+        group = 32 if kv == "int4" else 0
+        return choose(q, k, v, bt, kv, d, group, arch, "gpu", s_q * h_q // h_kv).variant
+
+    assert pick() == "portable"  # not tuned: never chosen blind
+    rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
+    portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    meta = {"num_stages": 3, "split_factor": 4}
+    entries = {rows.name: {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}}
+    p_meta = portable.default_meta(rows=4)
+    entries[portable.name] = {
+        "rows=4": {"meta": p_meta, "time_us": 340.0, "default_time_us": 340.0}
+    }
+    (tmp_path / "sm90").mkdir()
+    path = tmp_path / "sm90" / "gqa_decode.json"
+    path.write_text(json.dumps(_tuned_doc(entries)))
+    configs.reset()
+    assert pick() == "rows"
+    assert configs.meta_params(rows, rows=4) == meta
+    assert pick(h_q=64) == "rows"  # rows 8: the nearest bucket's times
+    assert pick(layout="hnd") == "rows"  # any strides of multiples of 16 bytes
+    assert pick(page=64) == "rows"
+    assert pick(layout="inline") == "portable"  # vLLM's 132-byte rows
+    assert pick(s_q=2) == "portable"
+    assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
+    assert pick(page=24) == "portable"
+    assert pick(kv="fp8e4m3") == "portable" and pick(kv="int4") == "portable"  # no rows variant
+    assert pick(arch="sm80") == "portable"
+    # a faster tuned portable entry wins
+    entries[portable.name]["rows=4"]["time_us"] = 290.0
+    path.write_text(json.dumps(_tuned_doc(entries)))
+    configs.reset()
+    assert pick() == "portable"

@@ -39,7 +39,7 @@ def choose(cls, d, dv, dtype, arch, target, k, rows, *more):
         for spec in [_spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
         if spec is not None and _accepts(spec, k, rows)
     ]
-    return _tuned_winner(portable, others, rows)
+    return tuned_winner(portable, others, rows)
 
 
 @cache
@@ -59,7 +59,7 @@ def _accepts(spec, k, rows) -> bool:
     return True
 
 
-def _tuned_winner(portable, others, rows):
+def tuned_winner(portable, others, rows):
     """The fastest of ``others`` that tuning measured at ``rows`` if no slower than the portable
     variant (untuned counts as slower); else the portable one."""
     from kvgen import configs
@@ -99,5 +99,5 @@ def _split_policy(arch, target, rows):
         return cached_spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
     others = [spec(v) for v in VARIANTS if v != "portable" and available(v, arch, target)]
-    best = _tuned_winner(spec("portable"), others, rows)
+    best = tuned_winner(spec("portable"), others, rows)
     return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)

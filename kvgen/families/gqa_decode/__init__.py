@@ -16,7 +16,15 @@ KV_FORMATS = ("auto", formats.INT8.name, formats.FP8_E4M3.name, formats.FP8_E5M2
 INT4_GROUPS = formats.INT4.groups
 #: (head_size, head_size_v) pairs the variant lists cover; other sizes generate on demand
 HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
-VARIANTS = ("portable",)
+# portable: Triton, any arch (gqa_decode.py.j2): a KV head's query rows as the MMA's rows, K and
+# V converted to the queries' dtype. rows: a Gluon kernel for sm90 (gqa_decode_rows.py.j2) over
+# int8 caches of 128-channel heads, one query a sequence: the keys as the MMA's rows and the
+# codes multiplied as they are stored (integer MMAs); GPU only (Gluon does not run in Triton's
+# interpreter).
+VARIANTS = ("portable", "rows")
+TEMPLATES = {"portable": "gqa_decode.py.j2", "rows": "gqa_decode_rows.py.j2"}
+ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
+ROWS_FORMATS = (formats.INT8.name,)
 
 
 def _size_ok(v: Any) -> bool:
@@ -39,7 +47,9 @@ class GQADecodeSpec(VariantSpec):
     channels per scale (``group``; 0 for the other formats)."""
 
     family: ClassVar[str] = "gqa_decode"
-    template: ClassVar[str] = "gqa_decode.py.j2"
+    # flash_attn_with_kvcache takes, of the variants that accept the call, the one whose tuned
+    # time is lowest at the bucket (kvgen show marks it).
+    chosen_by_tuning: ClassVar[str] = "variant"
 
     head_size: int = axis("d", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
     head_size_v: int = axis("dv", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
@@ -50,7 +60,22 @@ class GQADecodeSpec(VariantSpec):
     arch: str = axis("", choices=ARCHS, default="sm90")
     target: str = axis("", choices=TARGETS, default="gpu")
 
+    @property
+    def template(self) -> str:  # one template (and search space) per algorithm
+        return TEMPLATES[self.variant]
+
     def check_combination(self) -> None:
+        if self.variant == "rows":
+            if not available("rows", self.arch, self.target):
+                raise SpecError(
+                    f"{self.family}: the rows variant needs {ROWS_ARCHS} on the GPU (Gluon), not "
+                    f"{self.arch}/{self.target}"
+                )
+            if self.kv not in ROWS_FORMATS or (self.head_size, self.head_size_v) != (128, 128):
+                raise SpecError(
+                    f"{self.family}: the rows variant reads {ROWS_FORMATS} caches of 128 / 128 "
+                    f"heads; got kv={self.kv!r}, {self.head_size} / {self.head_size_v}"
+                )
         if (self.kv == "int4") != (self.group != 0):
             raise SpecError(
                 f"{self.family}: group (channels per scale) is one of {INT4_GROUPS} for an int4 "
@@ -78,9 +103,15 @@ class GQADecodeSpec(VariantSpec):
             out["k_tile"] = (cdiv(d_pad, min(self.group, d_pad)), min(self.group, d_pad))
             out["v_tile"] = (cdiv(dv_pad, min(self.group, dv_pad)), min(self.group, dv_pad))
             out["levels"] = [repr(v) for v in formats.per_token_head.INT4_LEVELS]
+        if self.variant == "rows":
+            out["tile"] = 64  # keys a tile: the MMA's M
         return out
 
     def default_meta(self, rows: int) -> dict[str, int]:
+        if self.variant == "rows":
+            # three 64-key tiles in flight (two and four: slower on the H200) and about eight
+            # programs an SM
+            return {"num_stages": 3, "split_factor": 8}
         # 16 query rows (the MMA's least), 4 warps, 128-key tiles (64 for wider heads) and
         # about eight programs an SM: the fastest points of the H200 sweep at 128 / 128 and 4
         # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight (three for int4), the
@@ -95,6 +126,13 @@ class GQADecodeSpec(VariantSpec):
             "split_factor": 8,
             "max_regs": 0,
         }
+
+
+def available(variant: str, arch: str, target: str) -> bool:
+    """Whether ``variant`` exists for this arch and target (portable: everywhere)."""
+    if variant == "rows":
+        return arch in ROWS_ARCHS and target == "gpu"
+    return True
 
 
 def spec_for(head_size, head_size_v, dtype, kv, group, arch, target, variant="portable"):

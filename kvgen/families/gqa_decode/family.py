@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from kvgen.codegen.spec import VariantSpec
 from kvgen.families._base import Family
-from kvgen.families.gqa_decode import HEAD_SIZES, INT4_GROUPS, KV_FORMATS, GQADecodeSpec
+from kvgen.families.gqa_decode import (
+    HEAD_SIZES,
+    INT4_GROUPS,
+    KV_FORMATS,
+    ROWS_FORMATS,
+    GQADecodeSpec,
+    available,
+)
 
 # Under the interpreter (CI) each format once at 128 / 128, plus the corners of the axes: odd
 # widths, V narrower than K, every int4 group.
@@ -37,14 +44,26 @@ class GQADecode(Family):
             for dt in ("bf16", "fp16")
             for kv in KV_FORMATS
             for g in (INT4_GROUPS if kv == "int4" else (0,))
+        ] + self._rows(arch, target, ("bf16", "fp16"))
+
+    @staticmethod
+    def _rows(arch: str, target: str, dtypes) -> list[VariantSpec]:
+        """The Hopper (rows) variants where they exist: 128 / 128 int8 caches."""
+        if not available("rows", arch, target):
+            return []
+        return [
+            GQADecodeSpec(128, 128, dt, kv, 0, "rows", arch, target)
+            for dt in dtypes
+            for kv in ROWS_FORMATS
         ]
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
-        # Llama / Qwen's 128 / 128 with bf16 queries, every format (int4 at 32 channels a scale)
+        # Llama / Qwen's 128 / 128 with bf16 queries, every format (int4 at 32 channels a
+        # scale), and the Hopper variants of that shape (the op takes them where tuned faster)
         return [
             GQADecodeSpec(128, 128, "bf16", kv, 32 if kv == "int4" else 0, "portable", arch, "gpu")
             for kv in KV_FORMATS
-        ]
+        ] + self._rows(arch, "gpu", ("bf16",))
 
     bench_ops = ("gqa_decode",)
 
