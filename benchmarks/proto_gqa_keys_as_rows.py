@@ -19,7 +19,9 @@ between registers (no conversion). K and V come by cp.async, 16 bytes a thread, 
 ring of NUM_BUF stages; the scales by plain loads. The fp8 e4m3 cache (FP8) takes the same
 path with e4m3 MMAs and fp32 accumulators: q in two e4m3 parts (below 2^8 after the per-head
 scale; exact for bf16 values within 2^10 of the head's largest) and P' in two e4m3 parts
-(below 2^8 against its bound), each pair of MMAs into one accumulator.
+(below 2^8 against its bound), each pair of MMAs into one accumulator. On the H200 the fp8
+path's scores are wrong (docs/performance.md); the int8 path is the package's rows variant
+(templates/gqa_decode_rows.py.j2).
 
 One program a (sequence, KV head, split) with 4 warps; block size 16; s_q 1; head 128.
 
