@@ -261,7 +261,7 @@ def gqa_decodes(formats=GQA_FORMATS) -> None:
 
 
 def gqa_rows() -> None:
-    """The GQA decode's Hopper variant (rows) through its launcher, each query dtype:
+    """The GQA decode's Hopper variant (rows) through its launcher, each format and query dtype:
     the fewest and the most tiles in flight, a page size whose tiles cross pages, and block
     tables naming pages outside the cache and lengths past the table (never read)."""
     from kvgen.families.gqa_decode.verify import make_caches

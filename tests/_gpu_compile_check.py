@@ -273,13 +273,15 @@ for gs, words, pow2 in (
                         aligned=("k_ptr", "v_ptr"))  # fmt: skip
     no_narrower(f"{gs.name} {constexprs}", aligned, inline, row, "LDG")
 
-# The GQA decode's Hopper variant (rows: Gluon, integer MMAs): both query dtypes, groups that
-# take an N of 8 and of 16 (one not a power of two), two to four tiles in flight; the launcher
-# passes the caches and their block, row and head strides as multiples of 16 (its ``accepts``)
+# The GQA decode's Hopper variant (rows: Gluon, integer / e4m3 MMAs): each format, both query
+# dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
+# flight; the launcher passes the caches and their block, row and head strides as multiples of
+# 16 (its ``accepts``)
 for gs, group, bufs in (
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 4, 3),
     (GQADecodeSpec(128, 128, "fp16", "int8", 0, "rows", "sm90", "gpu"), 16, 2),
-    (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 13, 4),
+    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 8, 4),
+    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2),
 ):
     types = {"q_ptr": PTR[gs.dtype], "k_ptr": GQA_CACHE[gs.kv], "v_ptr": GQA_CACHE[gs.kv]}
     types |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "block_table_ptr": "*i32"}

@@ -172,7 +172,7 @@ def test_int4_group_follows_the_scale_shape(device):
         flash_attn_with_kvcache(*args, **kwargs)
 
 
-# --- the Hopper variant (rows: Gluon, integer MMAs; an sm90 GPU only)
+# --- the Hopper variant (rows: Gluon, integer / e4m3 MMAs; an sm90 GPU only)
 
 ARCH, TARGET = local_target()
 ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
@@ -274,8 +274,8 @@ def _tuned_doc(entries):
 
 
 def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
-    """The op takes the Hopper variant on sm90 for int8 caches of 128-channel heads, one query a
-    sequence and 16-byte aligned rows, and only where tuning measured it faster than the
+    """The op takes the Hopper variant on sm90 for int8 / fp8 e4m3 caches of 128-channel heads,
+    one query a sequence and 16-byte aligned rows, and only where tuning measured it faster than the
     portable one at the bucket."""
     import json
 
@@ -317,7 +317,8 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(s_q=2) == "portable"
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
     assert pick(page=24) == "portable"
-    assert pick(kv="fp8e4m3") == "portable" and pick(kv="int4") == "portable"  # no rows variant
+    assert pick(kv="fp8e4m3") == "portable"  # its rows variant is not tuned
+    assert pick(kv="fp8e5m2") == "portable" and pick(kv="int4") == "portable"  # none exists
     assert pick(arch="sm80") == "portable"
     # a faster tuned portable entry wins
     entries[portable.name]["rows=4"]["time_us"] = 290.0

@@ -18,13 +18,13 @@ INT4_GROUPS = formats.INT4.groups
 HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 # portable: Triton, any arch (gqa_decode.py.j2): a KV head's query rows as the MMA's rows, K and
 # V converted to the queries' dtype. rows: a Gluon kernel for sm90 (gqa_decode_rows.py.j2) over
-# int8 caches of 128-channel heads, one query a sequence: the keys as the MMA's rows and the
-# codes multiplied as they are stored (integer MMAs); GPU only (Gluon does not run in Triton's
-# interpreter).
+# int8 and fp8 e4m3 caches of 128-channel heads, one query a sequence: the keys as the MMA's
+# rows and the codes multiplied as they are stored (integer / e4m3 MMAs); GPU only (Gluon does
+# not run in Triton's interpreter).
 VARIANTS = ("portable", "rows")
 TEMPLATES = {"portable": "gqa_decode.py.j2", "rows": "gqa_decode_rows.py.j2"}
 ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
-ROWS_FORMATS = (formats.INT8.name,)
+ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name)
 
 
 def _size_ok(v: Any) -> bool:

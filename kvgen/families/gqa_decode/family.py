@@ -48,7 +48,7 @@ class GQADecode(Family):
 
     @staticmethod
     def _rows(arch: str, target: str, dtypes) -> list[VariantSpec]:
-        """The Hopper (rows) variants where they exist: 128 / 128 int8 caches."""
+        """The Hopper (rows) variants where they exist: 128 / 128, int8 and fp8 e4m3."""
         if not available("rows", arch, target):
             return []
         return [
