@@ -20,8 +20,9 @@ ring of NUM_BUF stages; the scales by plain loads. The fp8 e4m3 cache (FP8) take
 path with e4m3 MMAs and fp32 accumulators: q in two e4m3 parts (below 2^8 after the per-head
 scale; exact for bf16 values within 2^10 of the head's largest) and P' in two e4m3 parts
 (below 2^8 against its bound), each pair of MMAs into one accumulator. On the H200 the fp8
-path's scores are wrong (docs/performance.md); the int8 path is the package's rows variant
-(templates/gqa_decode_rows.py.j2).
+path's scores are wrong: its low parts are formed from the high parts' codes converted back
+(docs/performance.md). The package's rows variant (templates/gqa_decode_rows.py.j2) is this
+kernel's int8 path, and an e4m3 form without that conversion.
 
 One program a (sequence, KV head, split) with 4 warps; block size 16; s_q 1; head 128.
 

@@ -6,7 +6,7 @@ from functools import cache
 
 import torch
 
-from kvgen import _dtypes, runtime
+from kvgen import _dtypes, configs, runtime
 from kvgen._math import cdiv
 from kvgen.families.gqa_decode import INT4_GROUPS, VARIANTS, available, sizes_problem, spec_for
 from kvgen.ops import _checks as check
@@ -142,7 +142,9 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
         for variant in VARIANTS
         if variant != "portable" and available(variant, arch, target)
         for spec in [_spec(*fields, variant)]
-        if spec is not None and module(spec).accepts(q, k, v, bt) is None
+        # (untuned: never chosen, so its module is not even loaded)
+        if spec is not None and configs.tuned_time(spec, rows=rows) is not None
+        if module(spec).accepts(q, k, v, bt) is None
     ]
     return tuned_winner(portable, others, rows)
 

@@ -8,7 +8,7 @@ from kvgen.families.gqa_decode import (
     HEAD_SIZES,
     INT4_GROUPS,
     KV_FORMATS,
-    ROWS_FORMATS,
+    ROWS_OFFERED,
     GQADecodeSpec,
     available,
 )
@@ -48,13 +48,13 @@ class GQADecode(Family):
 
     @staticmethod
     def _rows(arch: str, target: str, dtypes) -> list[VariantSpec]:
-        """The Hopper (rows) variants where they exist: 128 / 128, int8 and fp8 e4m3."""
+        """The Hopper (rows) variants kvgen offers where they exist: 128 / 128 int8 caches."""
         if not available("rows", arch, target):
             return []
         return [
             GQADecodeSpec(128, 128, dt, kv, 0, "rows", arch, target)
             for dt in dtypes
-            for kv in ROWS_FORMATS
+            for kv in ROWS_OFFERED
         ]
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
