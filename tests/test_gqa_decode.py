@@ -279,6 +279,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     portable one at the bucket."""
     import json
 
+    import kvgen.ops._gqa_decode as op_module
     from kvgen import configs
     from kvgen.families.gqa_decode import GQADecodeSpec
     from kvgen.ops._gqa_decode import choose
@@ -295,7 +296,11 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
         group = 32 if kv == "int4" else 0
         return choose(q, k, v, bt, kv, d, group, arch, "gpu", s_q * h_q // h_kv).variant
 
-    assert pick() == "portable"  # not tuned: never chosen blind
+    loaded = []
+    real_module = op_module.module
+    monkeypatch.setattr(op_module, "module", lambda spec: loaded.append(spec) or real_module(spec))
+    assert pick() == "portable"  # not tuned: never chosen blind,
+    assert loaded == []  # nor its module loaded
     rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
     portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
     meta = {"num_stages": 3, "split_factor": 4}
