@@ -330,3 +330,29 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     path.write_text(json.dumps(_tuned_doc(entries)))
     configs.reset()
     assert pick() == "portable"
+
+
+def test_verify_takes_a_rows_variant_through_its_launcher(monkeypatch):
+    """``kvgen verify`` runs a rows variant through its own launcher (the op takes it only
+    where tuned). Gluon does not run on the CPU, so the portable launcher of the same format
+    stands in for it here: what verify builds, passes and compares against is what is checked."""
+    import types
+
+    import kvgen.codegen
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.families.gqa_decode.verify import verify_gqa_decode
+
+    rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
+    portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", ARCH, TARGET)
+    loaded = []
+
+    def stand_in(spec):
+        loaded.append(spec)
+        mod = load(portable)
+        meta = portable.default_meta(rows=4)
+        return types.SimpleNamespace(launch=lambda *a, **_: mod.launch(*a, num_sms=8, **meta))
+
+    monkeypatch.setattr(kvgen.codegen, "load", stand_in)
+    result = verify_gqa_decode(rows, "cpu" if TARGET == "interp" else "cuda")
+    assert loaded == [rows]
+    assert result.passed, result

@@ -91,17 +91,22 @@ def make_caches(kv, group, keys, values, page, device, *, layout="nhd", writer="
 
 
 def verify_gqa_decode(spec, device, seed: int = 0) -> Result:
-    """The op over caches of ``spec``'s format written by kvgen's stores, against the float64
-    reference over the dequantized caches: unequal lengths (0 and 1 included), random page
-    order, causal speculative rows, two query heads a KV head. ``max_error`` is the relative
-    error of ``out``."""
+    """``spec``'s decode over caches of its format written by kvgen's stores, against the
+    float64 reference over the dequantized caches, with unequal lengths (0 and 1 included) and
+    random page order. The portable variant through the op: causal speculative rows, two query
+    heads a KV head. A variant the op takes only where it applies and was tuned (rows: one
+    query a sequence) through its own launcher: lengths around its 64-key tiles, four query
+    heads a KV head. ``max_error`` is the relative error of ``out``."""
+    from kvgen.codegen import load
     from kvgen.formats.gqa_decode import gqa_decode
     from kvgen.ops import flash_attn_with_kvcache
 
-    if spec.variant != "portable":
-        return _verify_launcher(spec, device, seed)
+    portable = spec.variant == "portable"
     gen = torch.Generator().manual_seed(seed)
-    seqlens, s_q, h_q, h_kv, page = [70, 0, 1, 130], 2, 4, 2, 16
+    if portable:
+        seqlens, s_q, h_q, h_kv, page = [70, 0, 1, 130], 2, 4, 2, 16
+    else:
+        seqlens, s_q, h_q, h_kv, page = [70, 0, 1, 130, 64, 257], 1, 8, 2, 16
     blocks, table = block_table(seqlens, page, gen)
     dtype = _dtypes.TORCH[spec.dtype]
     keys = torch.randn(blocks * page, h_kv, spec.head_size, generator=gen)
@@ -114,38 +119,17 @@ def verify_gqa_decode(spec, device, seed: int = 0) -> Result:
     )
     q = torch.randn(len(seqlens), s_q, h_q, spec.head_size, generator=gen).to(dtype)
     sl = torch.tensor(seqlens, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(
-        q.to(device), k, v, cache_seqlens=sl.to(device), block_table=table.to(device),
-        causal=True, return_softmax_lse=True, k_scale_cache=ks, v_scale_cache=vs,
-    )  # fmt: skip
-    ref_out, ref_lse = gqa_decode(q, k_deq, v_deq, table, sl, causal=True)
-    passed, rel, detail = compare_attention(out, lse, ref_out, ref_lse)
-    return Result(spec.name, passed, 0 if passed else 1, rel, detail)
-
-
-def _verify_launcher(spec, device, seed: int = 0) -> Result:
-    """A variant the op takes only where it applies and was tuned (rows: one query a
-    sequence), through its own launcher: unequal lengths (0, 1 and around the 64-key tiles),
-    random page order, four query heads a KV head."""
-    from kvgen.codegen import load
-    from kvgen.formats.gqa_decode import gqa_decode
-
-    gen = torch.Generator().manual_seed(seed)
-    seqlens, h_q, h_kv, page = [70, 0, 1, 130, 64, 257], 8, 2, 16
-    blocks, table = block_table(seqlens, page, gen)
-    dtype = _dtypes.TORCH[spec.dtype]
-    keys = torch.randn(blocks * page, h_kv, spec.head_size, generator=gen)
-    values = torch.randn(blocks * page, h_kv, spec.head_size_v, generator=gen)
-    writer = "store" if torch.device(device).type == "cuda" else "reference"
-    k, v, ks, vs, k_deq, v_deq = make_caches(
-        spec.kv, spec.group, keys, values, page, device, writer=writer, dtype=dtype
-    )
-    q = torch.randn(len(seqlens), 1, h_q, spec.head_size, generator=gen).to(dtype)
-    sl = torch.tensor(seqlens, dtype=torch.int32)
-    out, lse = load(spec).launch(
-        q.to(device), k, v, ks, vs, table.to(device), sl.to(device), spec.head_size**-0.5, False,
-        **spec.default_meta(rows=h_q // h_kv),
-    )  # fmt: skip
-    ref_out, ref_lse = gqa_decode(q, k_deq, v_deq, table, sl)
+    qd, table_d, sl_d = q.to(device), table.to(device), sl.to(device)
+    if portable:
+        out, lse = flash_attn_with_kvcache(
+            qd, k, v, cache_seqlens=sl_d, block_table=table_d, causal=True,
+            return_softmax_lse=True, k_scale_cache=ks, v_scale_cache=vs,
+        )  # fmt: skip
+    else:
+        out, lse = load(spec).launch(
+            qd, k, v, ks, vs, table_d, sl_d, spec.head_size**-0.5, False,
+            **spec.default_meta(rows=h_q // h_kv),
+        )  # fmt: skip
+    ref_out, ref_lse = gqa_decode(q, k_deq, v_deq, table, sl, causal=portable)
     passed, rel, detail = compare_attention(out, lse, ref_out, ref_lse)
     return Result(spec.name, passed, 0 if passed else 1, rel, detail)
