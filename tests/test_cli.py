@@ -361,15 +361,24 @@ def test_bench_command_prints_writes_and_plots(tmp_path, monkeypatch):
         "auto", "equal 4096", 16, 1, 524288, 150.0, 4000.0, 120.0, 0.9, 0.17, True
     )
     monkeypatch.setattr(decode, "run", lambda device, copy_bw, mm, progress=None: [row])
+    from kvgen.bench import gqa_decode as gqa_bench
+
+    g_row = gqa_bench.GQADecodeRow(
+        "int8", "128 x 4096", 32, 524288, 2112, 349.4, 3169.0, 0.745, True, 0.66, "rows"
+    )
+    monkeypatch.setattr(gqa_bench, "run", lambda device, copy_bw, progress=None: [g_row])
     out = tmp_path / "b.json"
-    args = ["bench", "--tokens", "1,16", "--ops", "mxfp4,decode", "--json", str(out)]
+    args = ["bench", "--tokens", "1,16", "--ops", "mxfp4,decode,gqa_decode", "--json", str(out)]
     if __import__("importlib").util.find_spec("matplotlib"):
         args += ["--plot", str(tmp_path / "b.png")]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu" in result.stdout
     assert "MLA decode, batch 128" in result.stdout and "equal 4096" in result.stdout
+    gqa_lines = [line for line in result.stdout.splitlines() if "128 x 4096" in line]
+    assert gqa_lines and " rows " in gqa_lines[0]  # the variant the op took
     doc = json.loads(out.read_text())
+    assert doc["gqa"][0]["variant"] == "rows"
     assert doc["matmul_TFLOPs"] == 700.0 and len(doc["results"]) == 2 and doc["decode"]
     if "--plot" in args:
         assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

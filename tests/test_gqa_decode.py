@@ -356,3 +356,21 @@ def test_verify_takes_a_rows_variant_through_its_launcher(monkeypatch):
     result = verify_gqa_decode(rows, "cpu" if TARGET == "interp" else "cuda")
     assert loaded == [rows]
     assert result.passed, result
+
+
+def test_chosen_spec_is_the_variant_the_op_runs(device):
+    """``chosen_spec`` (what ``kvgen bench`` reports) names the kernel the op runs: its
+    launcher gives the op's output bit for bit."""
+    from kvgen import runtime
+    from kvgen.ops._gqa_decode import chosen_spec, num_sms
+
+    args, kwargs, _ = _case(device, "int8", seqlens=(70, 0, 130))
+    spec = chosen_spec(*args, **kwargs)
+    assert spec.kv == "int8" and (spec.variant == "portable" or TARGET == "gpu")
+    out, lse = flash_attn_with_kvcache(*args, **kwargs, return_softmax_lse=True)
+    meta = runtime.meta_params(spec, rows=args[0].shape[2] // args[1].shape[2])
+    got, got_lse = load(spec).launch(
+        *args, kwargs["k_scale_cache"], kwargs["v_scale_cache"], kwargs["block_table"],
+        kwargs["cache_seqlens"], 128**-0.5, False, num_sms=num_sms(args[0].device), **meta,
+    )  # fmt: skip
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)

@@ -37,6 +37,7 @@ class GQADecodeRow:
     bw_ratio: float  # of the same run's copy bandwidth
     correct: bool
     vs_bf16: float | None = None  # time / the bf16 cache's, same run
+    variant: str = ""  # the variant the op took (portable, rows)
 
 
 def token_bytes(kv: str, group: int, h_kv: int = H_KV, d: int = HEAD, dv: int = HEAD) -> int:
@@ -101,6 +102,7 @@ def run(device, copy_bw: float, heads=HEADS_Q, shapes=SHAPES, formats=FORMATS, p
     """Every format at every shape and head count: the op (its tuned variant), CUDA-graph timed,
     each format once a round in rotated order, the median kept."""
     from kvgen.ops import flash_attn_with_kvcache
+    from kvgen.ops._gqa_decode import chosen_spec
 
     rows = []
     for shape, batch, seqlen in shapes:
@@ -116,20 +118,22 @@ def run(device, copy_bw: float, heads=HEADS_Q, shapes=SHAPES, formats=FORMATS, p
                         v_scale_cache=vs,
                     )  # fmt: skip
 
-                calls.append((label, kv, group, call))
+                spec = chosen_spec(q, k, v, cache_seqlens=sl, block_table=table, k_scale_cache=ks,
+                                   v_scale_cache=vs)  # fmt: skip
+                calls.append((label, kv, group, call, spec.variant))
             times = {label: [] for label, *_ in calls}
             for r in range(rounds):
-                for label, _, _, call in calls[r % len(calls) :] + calls[: r % len(calls)]:
+                for label, _, _, call, _ in calls[r % len(calls) :] + calls[: r % len(calls)]:
                     t = harness.graph_time_us(lambda i, c=call: c(), 1, calls=8, replays=5)
                     times[label].append(t)
             bf16 = statistics.median(times["bf16"])
-            for label, kv, group, _ in calls:
+            for label, kv, group, _, variant in calls:
                 t = statistics.median(times[label])
                 nbytes = token_bytes(kv, group) * batch * seqlen
                 row = GQADecodeRow(
                     label, shape, h_q, batch * seqlen, token_bytes(kv, group), t,
                     nbytes / (t * 1e-6) / 1e9, nbytes / (t * 1e-6) / copy_bw,
-                    check(kv, group, h_q, device), t / bf16,
+                    check(kv, group, h_q, device), t / bf16, variant,
                 )  # fmt: skip
                 rows.append(row)
                 if progress:

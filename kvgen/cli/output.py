@@ -159,6 +159,7 @@ DECODE_KEYS = (
 )
 GQA_DECODE_KEYS = (
     "kv_format",
+    "variant",
     "lengths",
     "heads",
     "bytes_per_token",

@@ -149,6 +149,18 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
     return tuned_winner(portable, others, rows)
 
 
+def chosen_spec(q, k_cache, v_cache, *, cache_seqlens, block_table, k_scale_cache=None,
+                v_scale_cache=None):  # fmt: skip
+    """The spec (variant) ``flash_attn_with_kvcache`` runs for these arguments (after the same
+    checks): e.g. for ``kvgen bench`` to say which variant it timed."""
+    checked = _check_decode(q, k_cache, v_cache, cache_seqlens, block_table, None, False,
+                            k_scale_cache, v_scale_cache)  # fmt: skip
+    device, fmt, dv, group = checked
+    arch, target = runtime.target_of(device)
+    rows = q.shape[1] * q.shape[2] // k_cache.shape[2]
+    return choose(q, k_cache, v_cache, block_table, fmt, dv, group, arch, target, rows)
+
+
 def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     device, fmt, dv, group = checked
     batch, s_q, h_q, d = q.shape
