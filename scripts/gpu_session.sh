@@ -13,6 +13,14 @@
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
+#   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
+#                                  in one call: its tests (tests/test_F.py), a tune of the
+#                                  variants NAME... (default: F's default variants) into a copy
+#                                  of tuned_configs (F's JSON comes back), its bench
+#                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the
+#                                  sanitizer over KVGEN_CHECK_SECTIONS (default: every section,
+#                                  python3 scripts/gpu_check.py --list), each run capped at
+#                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200)
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
 #                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
 #                                  beside kvgen's decodes in its process, with their JSON
@@ -65,6 +73,26 @@ case "${1:-tests}" in
       --json "$out/compare-tuned-$day.json" 2>&1 | tee "$out/compare-tuned-$day.txt" |
       tail -n 40 || rc=1
     ;;
+  family)
+    fam=${2:?usage: $0 family F [NAME...]}
+    shift 2
+    python3 -P -m pytest -q -n 8 -p no:cacheprovider "tests/test_$fam.py" 2>&1 |
+      tee "$out/gpu-tests-$fam-$day.log" | tail -n 8 || rc=1
+    tuned=/tmp/kvgen-tuned-$fam
+    rm -rf "$tuned" && cp -r tuned_configs "$tuned"
+    names=("$@")
+    [ ${#names[@]} -gt 0 ] || names=(--family "$fam")
+    python3 -P -m kvgen tune --arch sm90 "${names[@]}" --out "$tuned" \
+      --storage "/tmp/kvgen-tune-$fam.journal" 2>&1 | tee "$out/tune-$fam-$day.log" |
+      grep -E "^(tuning|progress|workers done|wrote|  \[)" || rc=1
+    cp "$tuned/sm90/$fam.json" "$out/" 2>/dev/null || true
+    KVGEN_TUNED_CONFIGS=$tuned python3 -P -m kvgen bench --ops "${KVGEN_BENCH_OPS:-$fam}" \
+      --json "$out/$fam-$day.json" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 |
+      tee "$out/bench-$fam-$day.txt" | tail -n 30 || rc=1
+    # shellcheck disable=SC2086  # a list of section names
+    KVGEN_SANITIZER_TIMEOUT=${KVGEN_SANITIZER_TIMEOUT:-200} PYTHON=python3 \
+      scripts/gpu_check.sh "$out/gpu-check-$fam-$day.txt" ${KVGEN_CHECK_SECTIONS:-} || rc=1
+    ;;
   protos)
     python3 -P benchmarks/proto_keys_as_rows.py --heads 16,32 --splits 1,2 --bufs 2 --async 0 \
       --s-fp8 1 --lazy 1 --wgs 1,2 --json "$out/proto-keys-as-rows-$day.json" 2>&1 |
@@ -74,7 +102,7 @@ case "${1:-tests}" in
       grep "^h=" || rc=1
     ;;
   *)
-    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|protos" >&2
+    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|family F [NAME...]|protos" >&2
     exit 2
     ;;
 esac
