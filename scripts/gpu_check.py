@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from kvgen import registry, runtime
+from kvgen import _dtypes, registry, runtime
 from kvgen.codegen import load
 from kvgen.families.per_token_head.verify import make_kv_caches
 from kvgen.formats import mxfp4
@@ -276,7 +276,7 @@ def gqa_rows() -> None:
     seqlens = [70, 0, 1, 130, 64, 257]
     sl = torch.tensor(seqlens, dtype=torch.int32)
     for spec in specs:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+        dtype = _dtypes.TORCH[spec.dtype]
         launch = load(spec).launch
         for page, stages in ((16, 2), (8, 4)):
             blocks, table = block_table(seqlens, page, gen)

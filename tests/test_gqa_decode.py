@@ -10,7 +10,7 @@ import pytest
 import torch
 from _hopper import MANY_LENGTHS, hopper
 
-from kvgen import registry
+from kvgen import _dtypes, registry
 from kvgen.codegen import load
 from kvgen.families.gqa_decode.verify import alloc_caches, make_caches
 from kvgen.formats.gqa_decode import gqa_decode
@@ -179,7 +179,7 @@ ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
 
 
 def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    dtype = _dtypes.TORCH[spec.dtype]
     return _case(device, spec.kv, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page, dtype=dtype,
                  seed=seed)  # fmt: skip
 
@@ -255,7 +255,7 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
         (dict(page=24), {}, "power of two"),
     ]
     for change, _, text in cases:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+        dtype = _dtypes.TORCH[spec.dtype]
         args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype, **change)
         with pytest.raises(ValueError, match=text):
             _launch(spec, args, kwargs)

@@ -8,10 +8,17 @@ import torch
 
 from kvgen import _dtypes, configs, runtime
 from kvgen._math import cdiv
-from kvgen.families.gqa_decode import INT4_GROUPS, VARIANTS, available, sizes_problem, spec_for
+from kvgen.families.gqa_decode import (
+    INT4_GROUPS,
+    VARIANTS,
+    GQADecodeSpec,
+    available,
+    sizes_problem,
+    spec_for,
+)
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
-from kvgen.ops._mla_choice import module, tuned_winner
+from kvgen.ops._mla_choice import module, spec_or_none, tuned_winner
 
 #: cache code dtype -> format (kvgen.formats' names); uint8 is packed int4
 _FORMATS = {dt: fmt for fmt, dt in _dtypes.CACHE.items()}
@@ -118,30 +125,21 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-@cache
-def _spec(*fields):
-    """The spec (validated once per specialisation), or None where it does not exist."""
-    try:
-        return spec_for(*fields)
-    except ValueError:
-        return None
-
-
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
     Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU), its spec exists and its launcher accepts the
     tensors (``accepts``: one query a sequence, 16-byte aligned rows, ...); the portable one
     otherwise."""
-    fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group, arch, target)
-    portable = _spec(*fields)
+    fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
+    portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
-        spec_for(*fields)
+        spec_for(*fields, arch, target)
     others = [
         spec
         for variant in VARIANTS
         if variant != "portable" and available(variant, arch, target)
-        for spec in [_spec(*fields, variant)]
+        for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
         if module(spec).accepts(q, k, v, bt) is None

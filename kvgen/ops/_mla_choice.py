@@ -36,14 +36,15 @@ def choose(cls, d, dv, dtype, arch, target, k, rows, *more):
         for v in VARIANTS
         if v != "portable"
         if available(v, arch, target)
-        for spec in [_spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
+        for spec in [spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
         if spec is not None and _accepts(spec, k, rows)
     ]
     return tuned_winner(portable, others, rows)
 
 
 @cache
-def _spec_or_none(*fields):
+def spec_or_none(*fields):
+    """``cached_spec(*fields)``, or None where no such spec exists."""
     try:
         return cached_spec(*fields)
     except SpecError:  # (e.g. no wgmma MXFP4 decode for fp16 queries)
