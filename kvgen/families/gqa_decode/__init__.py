@@ -19,16 +19,15 @@ HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 # portable: Triton, any arch (gqa_decode.py.j2): a KV head's query rows as the MMA's rows, K and
 # V converted to the queries' dtype. rows: a Gluon kernel for sm90 (gqa_decode_rows.py.j2) over
 # int8 and fp8 e4m3 caches of 128-channel heads, one query a sequence: the keys as the MMA's
-# rows and the codes multiplied as they are stored (integer / e4m3 MMAs); GPU only (Gluon does
-# not run in Triton's interpreter).
+# rows; int8 codes multiplied as they are stored (s8 MMAs), e4m3 keys converted to f16 for S
+# and e4m3 values multiplied as stored for PV; GPU only (Gluon does not run in Triton's
+# interpreter).
 VARIANTS = ("portable", "rows")
 TEMPLATES = {"portable": "gqa_decode.py.j2", "rows": "gqa_decode_rows.py.j2"}
 ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
 ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name)  # what its template generates
-# What kvgen lists, verifies and tunes (and so the op can take): int8. The e4m3 form joins once
-# it meets the decode's contract on a GPU (docs/performance.md: with S by e4m3 MMAs its lse was
-# 1.6-2.7e-3 off on the H200; the template now forms S by f16 MMAs).
-ROWS_OFFERED = (formats.INT8.name,)
+# What kvgen lists, verifies and tunes (and so the op can take).
+ROWS_OFFERED = ROWS_FORMATS
 
 
 def _size_ok(v: Any) -> bool:
