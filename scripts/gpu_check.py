@@ -9,6 +9,7 @@ import torch
 
 from kvgen import _dtypes, registry, runtime
 from kvgen.codegen import load
+from kvgen.families.gqa_decode import ROWS_FORMATS
 from kvgen.families.per_token_head.verify import make_kv_caches
 from kvgen.formats import mxfp4
 from kvgen.formats import per_token_head as pth
@@ -260,18 +261,18 @@ def gqa_decodes(formats=GQA_FORMATS) -> None:
             check(f"flash_attn_with_kvcache {kv} {layout} bad pages -> NaN", all(nan))
 
 
-def gqa_rows() -> None:
-    """The GQA decode's Hopper variant (rows) through its launcher, each format and query dtype:
-    the fewest and the most tiles in flight, a page size whose tiles cross pages, and block
-    tables naming pages outside the cache and lengths past the table (never read)."""
+def gqa_rows(kv: str) -> None:
+    """The GQA decode's Hopper variant (rows) through its launcher over ``kv`` caches, each query
+    dtype: the fewest and the most tiles in flight, a page size whose tiles cross pages, and
+    block tables naming pages outside the cache and lengths past the table (never read)."""
     from kvgen.families.gqa_decode.verify import make_caches
     from kvgen.formats.gqa_decode import gqa_decode
     from kvgen.verify import block_table
     from kvgen.verify import compare_attention as compare
 
     specs = registry.variants(*runtime.local_target(), "gqa_decode")
-    specs = [s for s in specs if s.variant == "rows"]
-    check("gqa rows variants found", bool(specs) or DEV.type != "cuda")
+    specs = [s for s in specs if s.variant == "rows" and s.kv == kv]
+    check(f"gqa rows variants for {kv} found", bool(specs) or DEV.type != "cuda")
     gen = torch.Generator().manual_seed(0)
     seqlens = [70, 0, 1, 130, 64, 257]
     sl = torch.tensor(seqlens, dtype=torch.int32)
@@ -310,13 +311,13 @@ SECTIONS = {
         mla_cache_stores,
         decodes,
         quantized_decodes,
-        gqa_rows,
     )
 }
 # (one section a GQA cache format: racecheck is slowest on these, and sections run side by side)
 SECTIONS |= {
     f"gqa_decodes_{kv}": functools.partial(gqa_decodes, ((kv, group),)) for kv, group in GQA_FORMATS
 }
+SECTIONS |= {f"gqa_rows_{kv}": functools.partial(gqa_rows, kv) for kv in ROWS_FORMATS}
 
 if __name__ == "__main__":
     # python scripts/gpu_check.py [--list | section ...]: the sections named (default: all)

@@ -303,7 +303,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert loaded == []  # nor its module loaded
     rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
     portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
-    meta = {"num_stages": 3, "split_factor": 4}
+    meta = {"num_stages": 3, "split_factor": 4, "piece_tiles": 32}
     entries = {rows.name: {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}}
     p_meta = portable.default_meta(rows=4)
     entries[portable.name] = {

@@ -115,7 +115,7 @@ class GQADecodeSpec(VariantSpec):
             # two 64-key tiles in flight and about 16 programs an SM: the tuned best at 4 and 8
             # rows on the H200 (the mean over the bench's two batches), 1-2 % ahead of three
             # tiles and 8
-            return {"num_stages": 2, "split_factor": 16}
+            return {"num_stages": 2, "split_factor": 16, "piece_tiles": 0}
         # 16 query rows (the MMA's least), 4 warps, 128-key tiles (64 for wider heads) and
         # about eight programs an SM: the fastest points of the H200 sweep at 128 / 128 and 4
         # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight (three for int4), the
