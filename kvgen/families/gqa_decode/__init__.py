@@ -112,10 +112,10 @@ class GQADecodeSpec(VariantSpec):
 
     def default_meta(self, rows: int) -> dict[str, int]:
         if self.variant == "rows":
-            # two 64-key tiles in flight and about 16 programs an SM: the tuned best at 4 and 8
-            # rows on the H200 (the mean over the bench's two batches), 1-2 % ahead of three
-            # tiles and 8
-            return {"num_stages": 2, "split_factor": 16, "piece_tiles": 0}
+            # two 64-key tiles in flight; at least 4 programs an SM, in pieces of at most about
+            # 60 tiles: the fastest split of each of the bench's two batches in the H200 sweep
+            # (benchmarks/gqa_split_sweep.py: 2 pieces at 128 x 4096, 9 at 8 x 32768)
+            return {"num_stages": 2, "split_factor": 4, "piece_tiles": 60}
         # 16 query rows (the MMA's least), 4 warps, 128-key tiles (64 for wider heads) and
         # about eight programs an SM: the fastest points of the H200 sweep at 128 / 128 and 4
         # rows (benchmarks/gqa_decode_sweep.py), two tiles in flight (three for int4), the
