@@ -49,9 +49,11 @@ def token_bytes(kv: str, group: int, h_kv: int = H_KV, d: int = HEAD, dv: int = 
     return h_kv * (d + dv + 8)
 
 
-def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0):
+def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0,
+            dtype=torch.bfloat16):  # fmt: skip
     """(q, k, v, k_scales, v_scales, block_table, cache_seqlens) with the caches written by
-    kvgen's stores, each sequence's pages in random order."""
+    kvgen's stores, each sequence's pages in random order; q (and a bf16 / fp16 cache) in
+    ``dtype``."""
     from kvgen.families.gqa_decode.verify import make_caches
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -59,7 +61,8 @@ def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0):
     blocks = sum(need)
     keys = torch.randn(blocks * page, h_kv, HEAD, device=device, generator=gen)
     values = torch.randn(blocks * page, h_kv, HEAD, device=device, generator=gen)
-    k, v, ks, vs, _, _ = make_caches(kv, group, keys, values, page, device, dequantize=False)
+    k, v, ks, vs, _, _ = make_caches(kv, group, keys, values, page, device, dequantize=False,
+                                     dtype=dtype)  # fmt: skip
     del keys, values
     pages = torch.randperm(blocks, device=device, generator=gen).to(torch.int32)
     table = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=device)
@@ -67,17 +70,17 @@ def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0):
     for b, nb in enumerate(need):
         table[b, :nb] = pages[i : i + nb]
         i += nb
-    q = torch.randn(len(lengths), 1, h_q, HEAD, device=device, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lengths), 1, h_q, HEAD, device=device, generator=gen).to(dtype)
     sl = torch.tensor(lengths, dtype=torch.int32, device=device)
     return q, k, v, ks, vs, table, sl
 
 
-def checked_problem(kv, group, h_q, device):
+def checked_problem(kv, group, h_q, device, dtype=torch.bfloat16):
     """A small batch of this format (lengths 1000, 333, 16, 1) and its float64 reference
     (out, lse): what the bench and the tuner check a result on."""
     from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
 
-    small = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1)
+    small = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1, dtype=dtype)
     q, k, v, ks, vs, table, sl = small
     k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), HEAD)
     v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), HEAD)

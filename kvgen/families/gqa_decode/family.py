@@ -59,11 +59,12 @@ class GQADecode(Family):
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
         # Llama / Qwen's 128 / 128 with bf16 queries, every format (int4 at 32 channels a
-        # scale), and the Hopper variants of that shape (the op takes them where tuned faster)
+        # scale), and the Hopper variants of that shape for bf16 and fp16 queries (the op takes
+        # them where tuned faster; an untuned portable variant counts as slower)
         return [
             GQADecodeSpec(128, 128, "bf16", kv, 32 if kv == "int4" else 0, "portable", arch, "gpu")
             for kv in KV_FORMATS
-        ] + self._rows(arch, "gpu", ("bf16",))
+        ] + self._rows(arch, "gpu", ("bf16", "fp16"))
 
     bench_ops = ("gqa_decode",)
 

@@ -1,10 +1,12 @@
 """What a tuning trial of the GQA decode runs: the bench's two shapes (128 x 4096 and 8 x 32768
-keys, 8 KV heads x 128, block 16) in the spec's cache format, ``rows`` query heads a KV head."""
+keys, 8 KV heads x 128, block 16) in the spec's cache format and query dtype, ``rows`` query
+heads a KV head."""
 
 from __future__ import annotations
 
 import torch
 
+from kvgen import _dtypes
 from kvgen.codegen import load
 
 
@@ -16,12 +18,14 @@ def problem(spec, bucket, device):
     from kvgen.bench import gqa_decode as bench
     from kvgen.verify import compare_attention
 
-    if (spec.head_size, spec.head_size_v, spec.dtype) != (bench.HEAD, bench.HEAD, "bf16"):
-        raise ValueError(f"{spec.name}: tuned on 128 / 128 caches with bf16 queries")
+    if (spec.head_size, spec.head_size_v) != (bench.HEAD, bench.HEAD):
+        raise ValueError(f"{spec.name}: tuned on 128 / 128 caches")
+    dtype = _dtypes.TORCH[spec.dtype]
     rows = bucket["rows"]
     h_q = rows * bench.H_KV
     problems = []
-    (q, k, v, ks, vs, table, sl), ref = bench.checked_problem(spec.kv, spec.group, h_q, device)
+    (q, k, v, ks, vs, table, sl), ref = bench.checked_problem(spec.kv, spec.group, h_q, device,
+                                                              dtype)  # fmt: skip
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_size**-0.5
@@ -29,7 +33,8 @@ def problem(spec, bucket, device):
     def run(i, m):
         if not problems:
             problems.extend(
-                bench.problem(spec.kv, spec.group, [n] * b, h_q, device) for _, b, n in bench.SHAPES
+                bench.problem(spec.kv, spec.group, [n] * b, h_q, device, dtype=dtype)
+                for _, b, n in bench.SHAPES
             )
         q, k, v, ks, vs, table, sl = problems[i]
         launch(q, k, v, ks, vs, table, sl, scale, False, num_sms=sms, **m)
