@@ -176,7 +176,52 @@ def quantized_variants(fmt: str):
         fmt, "mla_decode_fp8_ds_mla"
     )
     specs = registry.variants(*runtime.local_target(), family=family)
-    return [s for s in specs if s.dtype == "bf16" and s.head_dim == 576]
+    # (the rows variant takes one query of at most 16 heads: section mla_rows)
+    return [s for s in specs if s.dtype == "bf16" and s.head_dim == 576 and s.variant != "rows"]
+
+
+def mla_rows() -> None:
+    """The MLA decode's Hopper rows variant (fp8_ds_mla) through its launcher, whether or not
+    kvgen offers it yet: N of 8 and 16, two and three pages in flight, whole sequences and many
+    pieces, against the bf16 decode over the dequantized cache (out within the decode's 1e-2:
+    fp16 weights there, bf16 ones in the bf16 decode); block tables naming pages
+    outside the cache and lengths past the table (never read: NaN)."""
+    from kvgen.bench.decode import dequantized, quantized_caches
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec, available
+
+    arch, target = runtime.local_target()
+    check("mla rows variant exists", available("rows", arch, target) or DEV.type != "cuda")
+    if not available("rows", arch, target):
+        return
+    spec = MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)
+    launch = load(spec).launch
+    lengths, page = [70, 0, 1, 130, 64, 257], 64
+    need = [-(-n // page) for n in lengths]
+    blocks = sum(need) + 2
+    k = torch.randn(blocks, page, 1, 576, device=DEV).to(torch.bfloat16)
+    table = torch.full((len(lengths), max(need) + 1), 2147480000, dtype=torch.int32, device=DEV)
+    pages = torch.randperm(blocks, device=DEV).to(torch.int32)
+    i = 0
+    for b, nb in enumerate(need):
+        table[b, :nb] = pages[i : i + nb]
+        i += nb
+    sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    one = torch.ones(1, device=DEV)
+    cache = quantized_caches(k, one, ("fp8_ds_mla",))["fp8_ds_mla"]
+    deq = dequantized("fp8_ds_mla", cache, one)
+    for h_q, stages, split_factor in ((16, 2, 1), (5, 3, 16)):
+        q = torch.randn(len(lengths), 1, h_q, 576, device=DEV).to(torch.bfloat16)
+        meta, splits = get_mla_metadata(sl, h_q, 1)
+        want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits)
+        mp = {"num_stages": stages, "split_factor": split_factor, "piece_tiles": 1}
+        out, _ = launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+        rel = float((out.float() - want.float()).norm() / want.float().norm())
+        check(f"{spec.name} h_q={h_q} {mp} (rel. error {rel:.2e})", rel < 1e-2)
+        bad, bad_sl = table.clone(), sl.clone()
+        bad[0, 1], bad[3, 0] = -1, blocks  # a negative page, one past the last
+        bad_sl[2] = 10**6  # far past its table row
+        got, lse = launch(q, cache, bad, bad_sl, meta, splits, 576**-0.5, False, **mp)
+        check(f"{spec.name} h_q={h_q} bad pages -> NaN", _nan_for(got, lse, out, (0, 2, 3)))
 
 
 def decodes() -> None:
@@ -311,6 +356,7 @@ SECTIONS = {
         mla_cache_stores,
         decodes,
         quantized_decodes,
+        mla_rows,
     )
 }
 # (one section a GQA cache format: racecheck is slowest on these, and sections run side by side)

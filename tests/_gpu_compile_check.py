@@ -293,6 +293,28 @@ for gs, group, bufs in (
     compile_fn(gs.name, fn, types, {"G": group, "N": n, "NUM_BUF": bufs},
                aligned=("k_ptr", "v_ptr", *strides))  # fmt: skip
 
+# The MLA decode's Hopper rows variant (fp8_ds_mla, Gluon: the keys as the MMAs' rows): N of 16
+# and 8, two and three pages in flight; its three TMA descriptors typed with their shared
+# layouts, in the order the launcher builds them
+ROWS_MLA = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
+TENSORDESC = {torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32", torch.bfloat16: "bf16"}
+rows_mod = load(ROWS_MLA)
+rows_descs = rows_mod.descriptors(torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8))
+types = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seqlens_ptr": "*i32"}
+types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
+for arg, d in zip(("codes_desc", "scale_desc", "rope_desc"), rows_descs, strict=True):
+    box = ", ".join(map(str, d.block_shape))
+    types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
+for heads, bufs in ((16, 2), (5, 3)):
+    kernel = compile_fn(ROWS_MLA.name, rows_mod.split_kernel, types,
+                        {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs})  # fmt: skip
+    if kernel is not None:
+        used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
+        if used != [d.block_shape for d in rows_descs]:
+            failures += 1
+            print(f"FAIL {ROWS_MLA.name}: descriptor boxes {[d.block_shape for d in rows_descs]}, "
+                  f"the kernel reads {used}")  # fmt: skip
+
 # What the wgmma decode's launcher passes as multiples of 16 (Q is copied where it is not)
 WGMMA_ALIGNED = (
     "k_ptr",

@@ -255,7 +255,8 @@ def _variants():
         s
         for fam in ("mla_decode_fp8_ds_mla", "mla_decode_fp8", "mla_decode_mxfp4")
         for s in registry.variants(arch, target, fam)
-        if s.dtype == "bf16" and s.head_dim == 576
+        # (the rows variant takes one query of at most 16 heads in pages of 64: its own tests)
+        if s.dtype == "bf16" and s.head_dim == 576 and s.variant != "rows"
     ]
 
 
@@ -397,3 +398,191 @@ def test_one_key_reads_back_its_row(spec, device):
         f"got {[float(got[b, h, c]) for b, h, c in where]}, "
         f"want {[float(want[b, c]) for b, _, c in where]}"
     )
+
+
+# --- the Hopper rows variant (fp8_ds_mla: the keys as the MMAs' rows, the heads as their N;
+# an sm90 GPU only), tested whether or not kvgen offers it yet
+
+
+def _rows_specs():
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec, available
+    from kvgen.runtime import local_target
+
+    arch, target = local_target()
+    if not available("rows", arch, target):
+        return hopper([], "rows")
+    return hopper([MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)], "rows")
+
+
+def _rows_case(seqlens, h_q, device, seed=0, poison=True):
+    """(q, cache, table, seqlens, dequantized bf16 cache): pages of 64 back to back, in random
+    order, the rows past each sequence's end 0xFF bytes (NaN codes and scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks, table = _table(seqlens, 64, gen)
+    kv = torch.randn(blocks * 64, 576, generator=gen)
+    kv[:, 5] *= 30.0  # an outlier channel
+    kv[:, 300:310] *= 1e-3  # a scale tile's quiet channels
+    cache = torch.empty(blocks, 64, 1, 656, dtype=torch.uint8, device=device)
+    slots = torch.arange(blocks * 64, device=device)
+    _store("fp8_ds_mla", kv.to(torch.bfloat16).to(device), slots, cache.view(blocks, 64, 656),
+           torch.ones(1, device=device))  # fmt: skip
+    for b, n in enumerate(seqlens) if poison else ():
+        for t in range(n, -(-n // 64) * 64):
+            cache[int(table[b, t // 64]), t % 64] = 0xFF
+    deq = mla_cache.dequantize_fp8_ds_mla(cache.cpu().reshape(-1, 656))
+    deq = deq.reshape(blocks, 64, 1, 576).to(torch.bfloat16).to(device)
+    q = torch.randn(len(seqlens), 1, h_q, 576, generator=gen) * 2.0
+    sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    return q.to(torch.bfloat16).to(device), cache, table.to(device), sl, deq
+
+
+def _rows_launch(spec, q, cache, table, sl, **meta_kw):
+    from kvgen.codegen import load
+
+    meta, splits = get_mla_metadata(sl, q.shape[2], 1)
+    mp = spec.default_meta(rows=q.shape[2]) | meta_kw
+    return load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("h_q", [1, 8, 13, 16])
+@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_over_page_edges_heads_and_splits(spec, h_q, num_stages, device):
+    """The rows kernel through its launcher: lengths around every page edge (0, 1 and long
+    ones), N of 8 and of 16 (heads padded with zero queries, 13 not a power of two), the fewest
+    and the most pages in flight (a wrong phase of the ring reads a page before or after it is
+    there), whole sequences and many pieces of one; the rows past each sequence's end are NaN
+    bytes, which must not reach the output; against the float64 reference over the dequantized
+    cache (the decode's contract: out within 1e-2, lse within 1e-3, out 0 and lse +inf for a
+    sequence of no keys)."""
+    from kvgen.verify import compare_attention
+
+    q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q)
+    ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
+    for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
+        out, lse = _rows_launch(spec, q, cache, table, sl, num_stages=num_stages,
+                                split_factor=split_factor, piece_tiles=piece_tiles)  # fmt: skip
+        ok, rel, detail = compare_attention(out, lse, ref, ref_lse)
+        assert ok, (split_factor, piece_tiles, rel, detail)
+        assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
+
+
+@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+    """A page outside the cache, or a length past what the table holds, is never read (TMA
+    boxes of page 0 stand in): that sequence's out and lse are NaN, the others exact as before."""
+    q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=3)
+    good, good_lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    table, sl = table.clone(), sl.clone()
+    if bad == "page_past_end":
+        table[1, 1] = cache.shape[0] + 99
+    elif bad == "negative_page":
+        table[1, 0] = -1
+    else:
+        sl[1] = table.shape[1] * 64 + 5
+    out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
+
+
+@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
+    from kvgen.verify import compare_attention
+
+    q, cache, table, sl, deq = _rows_case([70, 5], 16, device, seed=5)
+    q = q.clone()
+    q[0, 0, 1, 7] = float("nan")
+    q[1, 0, 6, 520] = -float("inf")  # (in the RoPE part)
+    out, lse = _rows_launch(spec, q, cache, table, sl)
+    assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 0, 1].float()).all()
+    assert torch.isnan(lse[1, 6]).all() and torch.isnan(out[1, 0, 6].float()).all()
+    ref, ref_lse = mla_decode(q[:1, :, 2:].cpu(), deq.cpu(), table[:1].cpu(), sl[:1].cpu(), 512)
+    ok, rel, detail = compare_attention(out[:1, :, 2:], lse[:1, 2:], ref, ref_lse)
+    assert ok, (rel, detail)
+
+
+@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
+    """Several queries a sequence, more than 16 heads, fp16 queries, pages of another size or
+    not back to back: ValueError from the launcher, before any kernel runs."""
+    from kvgen.codegen import load
+
+    q, cache, table, sl, _ = _rows_case([70, 0, 33], 16, device)
+    mod = load(spec)
+    blocks = cache.shape[0]
+    spaced = torch.zeros(blocks, 65, 1, 656, dtype=torch.uint8, device=device)[:, :64]
+    cases = [
+        (q.expand(3, 2, 16, 576).contiguous(), cache, "one query"),
+        (torch.cat([q, q], dim=2), cache, "at most 16"),
+        (q.half(), cache, "must be torch.bfloat16"),
+        (q, cache.view(blocks * 4, 16, 1, 656), "page_block_size 16"),
+        (q, spaced, "back to back"),
+        (q, cache[..., :576], "fp8_ds_mla"),
+    ]
+    for qq, kk, text in cases:
+        assert mod.accepts(qq, kk) is not None
+        with pytest.raises(ValueError, match=text):
+            mod.launch(qq, kk, table, sl, None, None, 576**-0.5, False)
+    assert mod.accepts(q, cache) is None
+
+
+def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
+    """The op takes the rows variant for fp8_ds_mla caches on sm90, one query of at most 16
+    heads a sequence in pages of 64 back to back, and only where tuning measured it faster
+    than the others at the bucket; an untuned one's module is not even loaded."""
+    import json
+
+    import kvgen.ops._mla_choice as choice
+    from kvgen import configs
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec
+
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr(choice, "variants_for", lambda fmt: ("portable", "wgmma", "rows"))
+    configs.reset()
+    loaded = []
+    real_module = choice.module
+    monkeypatch.setattr(choice, "module", lambda spec: loaded.append(spec) or real_module(spec))
+    cache = torch.empty(8, 64, 1, 656, dtype=torch.uint8)
+
+    def pick(h_q=16, s_q=1, k=cache, dtype=torch.bfloat16):
+        q = torch.empty(2, s_q, h_q, 576, dtype=dtype)
+        rows = s_q * h_q
+        return choice.choose(MLADecodeDSMLASpec, 576, 512, "bf16", "sm90", "gpu", k, rows,
+                             q=q).variant  # fmt: skip
+
+    assert pick() == "portable" and loaded == []  # nothing tuned: nothing loaded
+    rows = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
+    wgmma = MLADecodeDSMLASpec(576, 512, "bf16", "wgmma", "sm90", "gpu")
+    entries = {
+        rows.name: {
+            "rows=16": {"meta": rows.default_meta(16), "time_us": 100.0, "default_time_us": 100.0}
+        },  # fmt: skip
+        wgmma.name: {
+            "rows=16": {"meta": wgmma.default_meta(16), "time_us": 250.0, "default_time_us": 250.0}
+        },  # fmt: skip
+    }
+    doc = {
+        "schema_version": 1,
+        "family": "mla_decode_fp8_ds_mla",
+        "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x",
+                "torch": torch.__version__, "triton": __import__("triton").__version__},
+        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
+        "entries": entries,
+    }  # fmt: skip
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / "mla_decode_fp8_ds_mla.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert pick() == "rows"
+    assert pick(h_q=8) == "rows"  # the nearest bucket's times
+    assert pick(s_q=2, h_q=8) == "wgmma"  # several queries a sequence
+    assert pick(h_q=32) == "wgmma"  # more heads than the MMAs' N
+    assert pick(k=torch.empty(32, 16, 1, 656, dtype=torch.uint8)) == "wgmma"  # pages of 16
+    spaced = torch.empty(8, 65, 1, 656, dtype=torch.uint8)[:, :64]
+    assert pick(k=spaced) == "wgmma"  # pages not back to back
+    entries[wgmma.name]["rows=16"]["time_us"] = 90.0  # a faster wgmma entry wins
+    (tmp_path / "sm90" / "mla_decode_fp8_ds_mla.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert pick() == "wgmma"
+    configs.reset()

@@ -72,12 +72,13 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
     return q, k_cache, table, sl
 
 
-def _callers(device, k, fmt="bf16", k_scale=None, variants=None):
+def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None):
     """(label, call) pairs for the 576/512 decode (bf16 queries) on cache ``k`` in format
-    ``fmt``: every variant this arch has for that cache (of ``variants``, default all),
-    launched directly with its tuned (or default) meta-parameters, and ``auto`` (``auto <fmt>``
-    for a quantized cache): the op, whose wrapper picks the variant. ``call(q, table, seqlens,
-    meta, splits) -> (out, lse)``."""
+    ``fmt``: every variant this arch has for that cache (of ``variants``, default all; with
+    ``heads``, those whose launcher ``accepts`` one query of that many heads), launched
+    directly with its tuned (or default) meta-parameters, and ``auto`` (``auto <fmt>`` for a
+    quantized cache): the op, whose wrapper picks the variant. ``call(q, table, seqlens, meta,
+    splits) -> (out, lse)``."""
     from kvgen import runtime
     from kvgen.codegen import load
     from kvgen.codegen.spec import SpecError
@@ -93,14 +94,19 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None):
     }[fmt]
     extra = {"k_scale": k_scale} if fmt == "fp8" else {}
     out = []
-    for v in md.VARIANTS:
+    for v in md.variants_for("auto" if fmt == "bf16" else fmt):
         if variants is not None and v not in variants:
             continue
         try:
             spec = cls(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
         except SpecError:
             continue
-        launch = load(spec).launch
+        module = load(spec)
+        if heads is not None and hasattr(module, "accepts"):
+            probe = torch.empty(1, 1, heads, HEAD_DIM, dtype=torch.bfloat16, device="meta")
+            if module.accepts(probe, k) is not None:
+                continue
+        launch = module.launch
 
         def call(q, table, sl, meta, splits, launch=launch, spec=spec):
             mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])
@@ -238,7 +244,8 @@ def run(
             sub = slice(0, 3)  # the float64 reference runs on the CPU: a few sequences
             ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
             callers = [
-                (label, call, "bf16", ref) for label, call in _callers(device, k, variants=variants)
+                (label, call, "bf16", ref)
+                for label, call in _callers(device, k, variants=variants, heads=h)
             ]
             k_scale = torch.tensor([K_SCALE], device=device)
             for fmt, cache in quantized_caches(k, k_scale).items():
@@ -246,7 +253,7 @@ def run(
                 fmt_ref, _ = mla_decode(
                     q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
                 )  # (over the dequantized cache: what the op attends over)
-                for label, call in _callers(device, cache, fmt, k_scale, variants):
+                for label, call in _callers(device, cache, fmt, k_scale, variants, h):
                     callers.append((label, call, fmt, fmt_ref))
             meta, splits = get_mla_metadata(sl, h, 1)
             args = (q, table, sl, meta, splits)

@@ -10,7 +10,7 @@ import torch
 from kvgen import runtime
 from kvgen.codegen import load
 from kvgen.codegen.spec import SpecError
-from kvgen.families.mla_decode import VARIANTS, MLADecodeSpec, available
+from kvgen.families.mla_decode import MLADecodeSpec, available, variants_for
 
 
 @cache
@@ -24,20 +24,26 @@ def cached_spec(cls, *fields):
     return cls(*fields)  # validated once per specialisation, not on every call
 
 
-def choose(cls, d, dv, dtype, arch, target, k, rows, *more):
+def choose(cls, d, dv, dtype, arch, target, k, rows, *more, q=None):
     """Of the variants that apply to this cache, the one tuning measured fastest at ``rows``; a
-    Hopper variant (wgmma) only where it has been tuned on this arch (tuning checks every
-    candidate against the reference on the GPU), the spec exists (``SpecError`` otherwise) and
-    its launcher accepts the cache (page size, strides, alignment: its ``check_cache``); the
-    portable one otherwise. ``more``: the spec's fields after ``target`` (the MXFP4 group)."""
+    Hopper variant (wgmma, rows) only where it has been tuned on this arch (tuning checks every
+    candidate against the reference on the GPU; an untuned one's module is not even loaded),
+    the spec exists (``SpecError`` otherwise) and its launcher accepts the call (page size,
+    strides, alignment: its ``check_cache``; the rows variant's ``accepts`` also looks at
+    ``q``); the portable one otherwise. ``more``: the spec's fields after ``target`` (the
+    MXFP4 group)."""
+    from kvgen import configs
+
     portable = cached_spec(cls, d, dv, dtype, "portable", arch, target, *more)
+    fmt = portable.derived()["kv_format"]
     others = [
         spec
-        for v in VARIANTS
+        for v in variants_for(fmt)
         if v != "portable"
         if available(v, arch, target)
         for spec in [spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
-        if spec is not None and _accepts(spec, k, rows)
+        if spec is not None and configs.tuned_time(spec, rows=rows) is not None
+        if _accepts(spec, k, rows, q)
     ]
     return tuned_winner(portable, others, rows)
 
@@ -51,10 +57,13 @@ def spec_or_none(*fields):
         return None
 
 
-def _accepts(spec, k, rows) -> bool:
+def _accepts(spec, k, rows, q) -> bool:
+    mod = module(spec)
+    if hasattr(mod, "accepts"):  # (the rows variant: q's shape and dtype matter too)
+        return q is not None and mod.accepts(q, k) is None
     block_n = runtime.meta_params(spec, rows=rows)["block_n"]
     try:
-        module(spec).check_cache(k, block_n)
+        mod.check_cache(k, block_n)
     except ValueError:
         return False
     return True
@@ -99,6 +108,8 @@ def _split_policy(arch, target, rows):
     def spec(variant):
         return cached_spec(MLADecodeSpec, 576, 512, "bf16", variant, arch, target)
 
-    others = [spec(v) for v in VARIANTS if v != "portable" and available(v, arch, target)]
+    others = [
+        spec(v) for v in variants_for("auto") if v != "portable" and available(v, arch, target)
+    ]
     best = tuned_winner(spec("portable"), others, rows)
     return runtime.meta_params(best, rows=rows)["split_factor"], schedule_policy(best.variant)

@@ -190,12 +190,13 @@ def _run_decode(
     arch, target = runtime.target_of(device)
     dt = _dtypes.NAME[q.dtype]
     if fmt == "mxfp4":
-        spec = choose(MLADecodeMXFP4Spec, d, head_dim_v, dt, arch, target, k, rows, mxfp4_group)
+        spec = choose(MLADecodeMXFP4Spec, d, head_dim_v, dt, arch, target, k, rows, mxfp4_group,
+                      q=q)  # fmt: skip
     else:
         if fmt == "fp8":
             k = k.view(torch.uint8)
         cls = {"fp8_ds_mla": MLADecodeDSMLASpec, "fp8": MLADecodeFP8Spec}.get(fmt, MLADecodeSpec)
-        spec = choose(cls, d, head_dim_v, dt, arch, target, k, rows)
+        spec = choose(cls, d, head_dim_v, dt, arch, target, k, rows, q=q)
     meta_p = runtime.meta_params(spec, rows=rows)
     if fmt == "fp8":
         meta_p["k_scale"] = k_scale

@@ -97,7 +97,8 @@ class GQADecodeSpec(VariantSpec):
             "d_pad": d_pad,
             "dv_pad": dv_pad,
             "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
-            "gqa": True,  # the combine masks V's padding columns and keeps a NaN lse
+            # the combine takes every sequence in ``splits`` pieces and masks V's padding columns
+            "even_pieces": True,
         }
         if self.kv not in ("auto", "int4"):  # the cache's Triton dtype, from its format
             out["tl_cache_dtype"] = formats.get(self.kv).constants["tl_cache_dtype"]

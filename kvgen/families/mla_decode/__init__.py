@@ -17,9 +17,26 @@ SCHED_BLOCK = 64
 WGMMA_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone (sm100 has tcgen05 instead)
 # portable: Triton, any arch (mla_decode.py.j2). wgmma: a Gluon kernel, 64-row tiles with the work
 # split by roles between warpgroups (mla_decode_wgmma.py.j2; GPU only: Gluon does not run in
-# Triton's interpreter).
-VARIANTS = ("portable", "wgmma")
-TEMPLATES = {"portable": "mla_decode.py.j2", "wgmma": "mla_decode_wgmma.py.j2"}
+# Triton's interpreter). rows: a Gluon kernel for sm90 over fp8_ds_mla caches, one query of at
+# most 16 heads a sequence, the keys as the MMAs' rows and the heads their N
+# (mla_decode_rows.py.j2; GPU only).
+VARIANTS = ("portable", "wgmma", "rows")
+TEMPLATES = {
+    "portable": "mla_decode.py.j2",
+    "wgmma": "mla_decode_wgmma.py.j2",
+    "rows": "mla_decode_rows.py.j2",
+}
+ROWS_FORMATS = ("fp8_ds_mla",)  # the caches the rows template reads
+# What kvgen lists, verifies and tunes (and so the op can take): none yet; the fp8_ds_mla form
+# joins once it has passed its tests and the sanitizer on a GPU.
+ROWS_OFFERED: tuple[str, ...] = ()
+
+
+def variants_for(kv_format: str, offered_only: bool = True) -> tuple[str, ...]:
+    """The variants that exist for caches of ``kv_format`` (rows: ROWS_OFFERED's formats, or
+    ROWS_FORMATS' with ``offered_only=False``)."""
+    rows = ROWS_OFFERED if offered_only else ROWS_FORMATS
+    return tuple(v for v in VARIANTS if v != "rows" or kv_format in rows)
 
 
 def _pow2(v: int) -> bool:
@@ -74,6 +91,11 @@ class MLADecodeSpec(VariantSpec):
         why = widths_problem(self.head_dim, self.head_dim_v)
         if why:
             raise SpecError(f"{self.family}: {why}")
+        fmt = self.derived()["kv_format"]
+        if self.variant == "rows" and fmt not in ROWS_FORMATS:
+            raise SpecError(
+                f"{self.family}: the rows variant reads {ROWS_FORMATS} caches, not {fmt!r}"
+            )
 
     def derived(self) -> dict[str, Any]:
         return {
@@ -91,6 +113,10 @@ class MLADecodeSpec(VariantSpec):
         }
 
     def default_meta(self, rows: int) -> dict[str, int]:
+        if self.variant == "rows":
+            # two pages in flight; about 4 programs an SM, pieces of at most 16 pages (the
+            # experiment's fastest at 128 x 4096 was two pieces a sequence, 32 pages each)
+            return {"num_stages": 2, "split_factor": 4, "piece_tiles": 16}
         if self.variant == "wgmma" and self.derived()["kv_format"] != "auto":
             # 32-key tiles: two bf16 K buffers beside the loader's two staging buffers fit
             # the shared memory; 64-key ones do not
@@ -116,7 +142,7 @@ class MLADecodeSpec(VariantSpec):
 
 def available(variant: str, arch: str, target: str) -> bool:
     """Whether ``variant`` exists for this arch and target (portable: everywhere)."""
-    if variant == "wgmma":
+    if variant in ("wgmma", "rows"):  # (Gluon on warpgroup MMAs)
         return arch in WGMMA_ARCHS and target == "gpu"
     return True
 
@@ -136,12 +162,21 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
 
     def derived(self) -> dict[str, Any]:
         # chunks of 128 latent channels: one fp32 scale each
-        return super().derived() | {
+        out = super().derived() | {
             "kv_format": "fp8_ds_mla",
             "chunk": 128,
             "nchunk": 4,
             "staged_row_bytes": ds_mla_row_bytes(self.head_dim_v, self.rope),
         }
+        if self.variant == "rows":
+            out |= {
+                "tile": SCHED_BLOCK,  # keys a tile = the page the kernel takes
+                "row_bytes": ds_mla_row_bytes(self.head_dim_v, self.rope),
+                "dv_pad": self.head_dim_v,
+                # the combine takes every sequence in ``splits`` pieces
+                "even_pieces": True,
+            }
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from kvgen.codegen.spec import VariantSpec
 from kvgen.families._base import Family
 from kvgen.families.mla_decode import (
-    VARIANTS,
     WIDTHS,
     MLADecodeDSMLASpec,
     MLADecodeFP8Spec,
     MLADecodeMXFP4Spec,
     MLADecodeSpec,
     available,
+    variants_for,
 )
 
 
@@ -25,7 +25,7 @@ class MLADecode(Family):
             MLADecodeSpec(d, dv, dt, v, arch, target)
             for d, dv in WIDTHS
             for dt in ("bf16", "fp16")
-            for v in VARIANTS
+            for v in variants_for("auto")
             if available(v, arch, target)
         ]
 
@@ -86,7 +86,7 @@ class MLADecodeDSMLA(_QuantizedDecode):
     def variants(self, arch: str, target: str) -> list[VariantSpec]:
         return [
             MLADecodeDSMLASpec(576, 512, "bf16", v, arch, target)
-            for v in VARIANTS
+            for v in variants_for("fp8_ds_mla")
             if available(v, arch, target)
         ]
 
@@ -107,7 +107,7 @@ class MLADecodeFP8(_QuantizedDecode):
         return [
             MLADecodeFP8Spec(576, 512, dt, v, arch, target)
             for dt in ("bf16", "fp16")
-            for v in VARIANTS
+            for v in variants_for("fp8")
             if available(v, arch, target)
         ]
 
@@ -128,7 +128,7 @@ class MLADecodeMXFP4(_QuantizedDecode):
             MLADecodeMXFP4Spec(d, 512, dt, v, arch, target)
             for d in (576, 512)
             for dt in ("bf16", "fp16")
-            for v in VARIANTS
+            for v in variants_for("mxfp4")
             if available(v, arch, target) and (v == "portable" or dt == "bf16")
         ]
 
