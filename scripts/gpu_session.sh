@@ -14,7 +14,8 @@
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
 #   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
-#                                  in one call: its tests (tests/test_F.py), a tune of the
+#                                  in one call: its tests (tests/test_F.py, or the files of
+#                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the
 #                                  variants NAME... (default: F's default variants) into a copy
 #                                  of tuned_configs (F's JSON comes back), its bench
 #                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the
@@ -76,7 +77,9 @@ case "${1:-tests}" in
   family)
     fam=${2:?usage: $0 family F [NAME...]}
     shift 2
-    python3 -P -m pytest -q -n 8 -p no:cacheprovider "tests/test_$fam.py" 2>&1 |
+    # shellcheck disable=SC2086  # lists of files and options
+    python3 -P -m pytest -q -n 8 -p no:cacheprovider ${KVGEN_TEST_FILES:-tests/test_$fam.py} \
+      ${KVGEN_TEST_ARGS:-} 2>&1 |
       tee "$out/gpu-tests-$fam-$day.log" | tail -n 8 || rc=1
     tuned=/tmp/kvgen-tuned-$fam
     rm -rf "$tuned" && cp -r tuned_configs "$tuned"
