@@ -275,13 +275,16 @@ for gs, words, pow2 in (
 
 # The GQA decode's Hopper variant (rows: Gluon, integer / e4m3 MMAs): each format, both query
 # dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
-# flight; the launcher passes the caches and their block, row and head strides as multiples of
-# 16 (its ``accepts``)
-for gs, group, bufs in (
-    (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 4, 3),
-    (GQADecodeSpec(128, 128, "fp16", "int8", 0, "rows", "sm90", "gpu"), 16, 2),
-    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 8, 4),
-    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2),
+# flight; rows at multiples of 16 bytes (the caches and their block, row and head strides passed
+# as multiples of 16) and vLLM's 132-byte rows (4-byte aligned: nothing specialised), whose K
+# and V must still come by cp.async (4-byte LDGSTS), not a byte a load.
+for gs, group, bufs, row_align in (
+    (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 4, 3, 16),
+    (GQADecodeSpec(128, 128, "fp16", "int8", 0, "rows", "sm90", "gpu"), 16, 2, 16),
+    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 8, 4, 16),
+    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2, 16),
+    (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 8, 2, 4),
+    (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 16, 3, 4),
 ):
     types = {"q_ptr": PTR[gs.dtype], "k_ptr": GQA_CACHE[gs.kv], "v_ptr": GQA_CACHE[gs.kv]}
     types |= {"ks_ptr": "*fp32", "vs_ptr": "*fp32", "block_table_ptr": "*i32"}
@@ -290,8 +293,17 @@ for gs, group, bufs in (
     fn = load(gs).split_kernel
     strides = [n for n in fn.arg_names if n.startswith(("stride_k_", "stride_v_"))]
     n = load(gs).mma_n(group)
-    compile_fn(gs.name, fn, types, {"G": group, "N": n, "NUM_BUF": bufs},
-               aligned=("k_ptr", "v_ptr", *strides))  # fmt: skip
+    aligned = ("k_ptr", "v_ptr", *strides) if row_align == 16 else ()
+    kernel = compile_fn(f"{gs.name} rows at {row_align} bytes", fn, types,
+                        {"G": group, "N": n, "NUM_BUF": bufs, "ROW_ALIGN": row_align},
+                        aligned=aligned)  # fmt: skip
+    if kernel is not None:
+        code = sass(kernel)
+        copies, byte_loads = len(re.findall(r"\bLDGSTS\b", code)), code.count("LDG.E.U8")
+        if not copies or byte_loads:
+            failures += 1
+            print(f"FAIL {gs.name} rows at {row_align} bytes: {copies} cp.async (LDGSTS), "
+                  f"{byte_loads} one-byte loads")  # fmt: skip
 
 # The MLA decode's Hopper rows variant (fp8_ds_mla, Gluon: the keys as the MMAs' rows): N of 16
 # and 8, two and three pages in flight; its three TMA descriptors typed with their shared

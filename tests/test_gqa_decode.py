@@ -178,10 +178,11 @@ ARCH, TARGET = local_target()
 ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
 
 
-def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0):
+def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0,
+               layout="nhd"):  # fmt: skip
     dtype = _dtypes.TORCH[spec.dtype]
     return _case(device, spec.kv, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page, dtype=dtype,
-                 seed=seed)  # fmt: skip
+                 seed=seed, layout=layout)  # fmt: skip
 
 
 def _launch(spec, args, kwargs, **meta):
@@ -208,6 +209,22 @@ def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, nu
         ok, rel, detail = compare(out, lse, *ref)
         assert ok, (split_factor, rel, detail)
         assert (out.cpu()[ref[1].permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
+
+
+@pytest.mark.parametrize("h_q,h_kv,page,num_stages", [(8, 2, 16, 2), (16, 1, 32, 4), (3, 3, 1, 3)])
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_reads_vllm_inline_rows(spec, h_q, h_kv, page, num_stages, device):
+    """vLLM's layout: 132-byte rows (the codes, then the scale in the pad bytes), the caches
+    and the scales passed as strided views into them; the rows start at multiples of 4 bytes
+    only, so K and V come by 4-byte cp.async pieces."""
+    args, kwargs, ref_in = _rows_case(spec, device, h_q=h_q, h_kv=h_kv, page=page,
+                                      layout="inline")  # fmt: skip
+    assert args[1].stride(1) % 16 and args[1].stride(1) % 4 == 0  # (the rows are 4-aligned)
+    ref = gqa_decode(*ref_in)
+    for split_factor in (1, 16):
+        out, lse = _launch(spec, args, kwargs, num_stages=num_stages, split_factor=split_factor)
+        ok, rel, detail = compare(out, lse, *ref)
+        assert ok, (split_factor, rel, detail)
 
 
 @pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
@@ -245,21 +262,29 @@ def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
 
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
-    """Rows not at multiples of 16 bytes (vLLM's 132-byte rows), several queries a sequence,
-    more than 16 query heads a KV head, pages that are not a power of two: ValueError from the
-    launcher; the op takes the portable variant for them, and is right."""
+    """Several queries a sequence, more than 16 query heads a KV head, pages that are not a
+    power of two, rows not at multiples of 4 bytes: ValueError from the launcher; the op takes
+    the portable variant for them, and is right."""
     cases = [
-        (dict(layout="inline"), {}, "16 bytes"),
         (dict(s_q=2), {}, "one query"),
         (dict(h_q=32, h_kv=1), {}, "at most 16"),
         (dict(page=24), {}, "power of two"),
     ]
+    dtype = _dtypes.TORCH[spec.dtype]
     for change, _, text in cases:
-        dtype = _dtypes.TORCH[spec.dtype]
         args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype, **change)
         with pytest.raises(ValueError, match=text):
             _launch(spec, args, kwargs)
         _check(args, kwargs, ref_in)
+    # rows 130 bytes apart from a 2-byte offset: no cp.async piece fits
+    args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype)
+    q, k, v = args
+    odd = [torch.zeros(*c.shape[:3], 130, dtype=c.dtype, device=c.device)[..., 2:] for c in (k, v)]
+    odd[0].copy_(k)
+    odd[1].copy_(v)
+    with pytest.raises(ValueError, match="4 bytes"):
+        _launch(spec, (q, *odd), kwargs)
+    _check((q, *odd), kwargs, ref_in)
 
 
 def _tuned_doc(entries):
@@ -318,7 +343,11 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(h_q=64) == "rows"  # rows 8: the nearest bucket's times
     assert pick(layout="hnd") == "rows"  # any strides of multiples of 16 bytes
     assert pick(page=64) == "rows"
-    assert pick(layout="inline") == "portable"  # vLLM's 132-byte rows
+    # vLLM's 132-byte rows: the launcher takes them (4-byte cp.async pieces), the op not yet
+    assert pick(layout="inline") == "portable"
+    monkeypatch.setattr(op_module, "ROWS_INLINE_OFFERED", True)
+    assert pick(layout="inline") == "rows"
+    monkeypatch.setattr(op_module, "ROWS_INLINE_OFFERED", False)
     assert pick(s_q=2) == "portable"
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
     assert pick(page=24) == "portable"

@@ -28,6 +28,10 @@ ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
 ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name)  # what its template generates
 # What kvgen lists, verifies and tunes (and so the op can take).
 ROWS_OFFERED = ROWS_FORMATS
+# Whether the op takes the rows variant for rows that start at multiples of 4 bytes only
+# (vLLM's 132-byte rows, by 4-byte cp.async pieces): not until that form has passed its tests
+# and the sanitizer on a GPU; the launcher itself takes them.
+ROWS_INLINE_OFFERED = False
 
 
 def _size_ok(v: Any) -> bool:
