@@ -324,12 +324,13 @@ def gqa_rows(kv: str) -> None:
     for spec in specs:
         dtype = _dtypes.TORCH[spec.dtype]
         launch = load(spec).launch
-        for page, stages in ((16, 2), (8, 4)):
+        # (vLLM's 132-byte inline rows: 4-byte cp.async pieces)
+        for page, stages, layout in ((16, 2, "nhd"), (8, 4, "nhd"), (16, 3, "inline")):
             blocks, table = block_table(seqlens, page, gen)
             keys = torch.randn(blocks * page, 2, 128, generator=gen)
             values = torch.randn(blocks * page, 2, 128, generator=gen)
             k, v, ks, vs, k_deq, v_deq = make_caches(spec.kv, 0, keys, values, page, DEV,
-                                                     dtype=dtype)  # fmt: skip
+                                                     layout=layout, dtype=dtype)  # fmt: skip
             q = torch.randn(len(seqlens), 1, 8, 128, generator=gen).to(dtype)
 
             def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, launch=launch):
@@ -338,12 +339,12 @@ def gqa_rows(kv: str) -> None:
 
             out, lse = run(table, sl)
             ref = gqa_decode(q, k_deq, v_deq, table, sl)
-            check(f"{spec.name} page {page} stages {stages}", compare(out, lse, *ref)[0])
+            check(f"{spec.name} page {page} stages {stages} {layout}", compare(out, lse, *ref)[0])
             bad_table, bad_sl = table.clone(), sl.clone()
             bad_table[0, 1], bad_table[3, 0] = blocks + 1000, -7
             bad_sl[2] = 10**6  # far past its table row
             bad_out, bad_lse = run(bad_table, bad_sl)
-            check(f"{spec.name} page {page} bad pages -> NaN",
+            check(f"{spec.name} page {page} {layout} bad pages -> NaN",
                   _nan_for(bad_out, bad_lse, out, (0, 2, 3)))  # fmt: skip
 
 
