@@ -123,6 +123,68 @@ def compare_attention(out, lse, ref_out, ref_lse) -> tuple[bool, float, str]:
     return passed, rel, "" if passed else f"lse error {lse_err:.2e}, empty rows ok: {empty_ok}"
 
 
+def gqa_accuracy_table(batch: int = 4, seqlen: int = 256, h_kv: int = 8, group: int = 4,
+                       head: int = 128, seed: int = 0):  # fmt: skip
+    """The GQA decode's output error over each per-token-head cache format against the bf16
+    cache: the float64 reference decode (``kvgen.formats.gqa_decode``) over the dequantized K and
+    V caches of each format and over the bf16 ones, relative error of ``out`` and max error of
+    ``lse``. Data: keys with a few outlier channels (x10), Gaussian values, bf16 queries;
+    ``h_kv`` KV heads of ``head`` channels, ``group`` query heads a KV head."""
+    from kvgen.bench.gqa_decode import token_bytes
+    from kvgen.formats import gqa_decode
+    from kvgen.formats import per_token_head as pth
+
+    gen = torch.Generator().manual_seed(seed)
+    n = batch * seqlen
+    keys = torch.randn(n, h_kv, head, generator=gen)
+    outliers = torch.randperm(head, generator=gen)[:4]
+    keys[..., outliers] *= 10.0
+    values = torch.randn(n, h_kv, head, generator=gen)
+    keys, values = keys.to(torch.bfloat16).float(), values.to(torch.bfloat16).float()
+    q = torch.randn(batch, 1, h_kv * group, head, generator=gen).to(torch.bfloat16)
+    table = torch.arange(batch, dtype=torch.int32)[:, None]  # one page of seqlen keys each
+    lengths = torch.full((batch,), seqlen, dtype=torch.int32)
+
+    def scaled(dtype):
+        def roundtrip(x):
+            return pth.dequantize_per_token_head(*pth.quantize_per_token_head(x, dtype))
+
+        return roundtrip
+
+    def int4(channels):
+        def roundtrip(x):
+            return pth.dequantize_int4(*pth.quantize_int4(x, channels), head)
+
+        return roundtrip
+
+    formats = [("bf16", "auto", 0, lambda x: x)]
+    formats += [(name, kv, 0, scaled(dt)) for name, kv, dt in (
+        ("int8", "int8", torch.int8),
+        ("fp8 e4m3", "fp8e4m3", torch.float8_e4m3fn),
+        ("fp8 e5m2", "fp8e5m2", torch.float8_e5m2),
+    )]  # fmt: skip
+    formats += [(f"int4, {c} ch/scale", "int4", c, int4(c)) for c in pth.INT4_CHANNELS]
+
+    def decode(k, v):
+        shape = (batch, seqlen, h_kv, head)
+        return gqa_decode.gqa_decode(q, k.double().reshape(shape), v.double().reshape(shape),
+                                     table, lengths)  # fmt: skip
+
+    ref_out, ref_lse = decode(keys, values)
+    rows = []
+    for name, kv, channels, roundtrip in formats:
+        out, lse = decode(roundtrip(keys), roundtrip(values))
+        rows.append(
+            {
+                "format": name,
+                "bytes_per_token": token_bytes(kv, channels, h_kv, head, head),
+                "out_rel_err": float((out - ref_out).norm() / ref_out.norm()),
+                "lse_max_err": float((lse - ref_lse).abs().max()),
+            }
+        )
+    return rows
+
+
 def verify(spec: VariantSpec, device) -> Result:
     """``spec``'s family's check on ``device``; a crash is a failed result, not an error."""
     from kvgen import registry

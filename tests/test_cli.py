@@ -102,6 +102,7 @@ def test_verify_accuracy_table():
     assert "student-t(3)" in result.output and "outlier" in result.output
     for fmt in ("fp8_ds_mla", "fp8 (per tensor)", "mxfp4, group 32, bf16 RoPE"):
         assert fmt in result.output
+    assert "GQA decode over each per-token-head cache format" in result.output
 
 
 def test_mla_accuracy_table():
@@ -114,6 +115,22 @@ def test_mla_accuracy_table():
     ds, mx = rows["fp8_ds_mla"], rows["mxfp4, group 32, bf16 RoPE"]
     assert 0 < ds["out_rel_err"] < mx["out_rel_err"] < 1
     assert mla_accuracy_table(batch=2, seqlen=64) == list(rows.values())  # seeded: repeatable
+
+
+def test_gqa_accuracy_table():
+    from kvgen.verify import gqa_accuracy_table
+
+    rows = {r["format"]: r for r in gqa_accuracy_table(batch=2, seqlen=64)}
+    assert rows["bf16"]["out_rel_err"] == 0 and rows["bf16"]["lse_max_err"] == 0
+    assert [r["bytes_per_token"] for r in rows.values()] == [4096] + [2112] * 3 + [
+        1280, 1152, 1088, 1056
+    ]  # fmt: skip
+    err = {name: r["out_rel_err"] for name, r in rows.items()}
+    # 7 bits beat e4m3's 3 mantissa bits, which beat e5m2's 2; finer int4 scale groups lose
+    # less, and every 4-bit format more than every 8-bit one
+    assert 0 < err["int8"] < err["fp8 e4m3"] < err["fp8 e5m2"] < err["int4, 16 ch/scale"]
+    assert err["int4, 16 ch/scale"] < err["int4, 32 ch/scale"] < err["int4, 128 ch/scale"] < 1
+    assert gqa_accuracy_table(batch=2, seqlen=64) == list(rows.values())  # seeded: repeatable
 
 
 def test_verify_kv_variant():
@@ -189,6 +206,7 @@ def test_json_output_parses():
     acc = json.loads(runner.invoke(app, ["verify", "--accuracy", "--json"]).stdout)
     assert {"format", "data", "snr_db", "max_err_amax"} <= set(acc["formats"][0])
     assert {"format", "bytes_per_token", "out_rel_err", "lse_max_err"} <= set(acc["decode"][0])
+    assert {"format", "bytes_per_token", "out_rel_err"} <= set(acc["gqa_decode"][0])
 
 
 def test_show_marks_the_decode_variant_each_bucket_uses():

@@ -106,11 +106,13 @@ def verify_cmd(
     if accuracy:
         with err.status("quantizing"):
             rows, mla = verify.accuracy_table(), verify.mla_accuracy_table()
+            gqa = verify.gqa_accuracy_table()
         if as_json:
-            show.print_json({"formats": rows, "decode": mla})
+            show.print_json({"formats": rows, "decode": mla, "gqa_decode": gqa})
         else:
             show.out(wide).print(show.accuracy_table(rows))
             show.out(wide).print(show.mla_accuracy_table(mla))
+            show.out(wide).print(show.gqa_accuracy_table(gqa))
         return
     arch, target = resolve_target(None, None)
     specs = specs_named(names, arch, target)

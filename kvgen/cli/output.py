@@ -133,6 +133,14 @@ def mla_accuracy_table(rows: list[dict]) -> Table:
     return table(title, ("format", "bytes_per_token", "out_rel_err", "lse_max_err"), rows)
 
 
+def gqa_accuracy_table(rows: list[dict]) -> Table:
+    title = (
+        "GQA decode over each per-token-head cache format against the bf16 cache "
+        "(8 KV heads x 128, 32 query heads)"
+    )
+    return table(title, ("format", "bytes_per_token", "out_rel_err", "lse_max_err"), rows)
+
+
 STORE_KEYS = (
     "variant",
     "num_tokens",
