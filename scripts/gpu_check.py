@@ -126,12 +126,10 @@ def mla_cache_stores() -> None:
         check(spec.name, verify_gather_mla_cache(spec, DEV).passed)
 
 
-def quantized_decodes() -> None:
-    """The decode over each quantized cache (written by kvgen's stores) against the bf16
-    decode over its dequantized cache; pages in random order, key-less and one-key rows."""
-    from kvgen.bench.decode import K_SCALE, dequantized, quantized_caches
-
-    lengths, page = [70, 0, 1, 130], 64
+def _mla_pages(lengths, page=64):
+    """A bf16 576-wide cache of pages of ``page`` rows (two spare), a block table holding each
+    sequence's pages in random order (FlashMLA's unused-entry value past them), the lengths and
+    the page count."""
     need = [-(-n // page) for n in lengths]
     blocks = sum(need) + 2
     k = torch.randn(blocks, page, 1, 576, device=DEV).to(torch.bfloat16)
@@ -141,7 +139,16 @@ def quantized_decodes() -> None:
     for b, nb in enumerate(need):
         table[b, :nb] = pages[i : i + nb]
         i += nb
-    sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    return k, table, torch.tensor(lengths, dtype=torch.int32, device=DEV), blocks
+
+
+def quantized_decodes() -> None:
+    """The decode over each quantized cache (written by kvgen's stores) against the bf16
+    decode over its dequantized cache; pages in random order, key-less and one-key rows."""
+    from kvgen.bench.decode import K_SCALE, dequantized, quantized_caches
+
+    lengths = [70, 0, 1, 130]
+    k, table, sl, blocks = _mla_pages(lengths)
     k_scale = torch.tensor([K_SCALE], device=DEV)
     caches = quantized_caches(k, k_scale)
     for h_q in (16, 128):
@@ -195,17 +202,8 @@ def mla_rows() -> None:
         return
     spec = MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)
     launch = load(spec).launch
-    lengths, page = [70, 0, 1, 130, 64, 257], 64
-    need = [-(-n // page) for n in lengths]
-    blocks = sum(need) + 2
-    k = torch.randn(blocks, page, 1, 576, device=DEV).to(torch.bfloat16)
-    table = torch.full((len(lengths), max(need) + 1), 2147480000, dtype=torch.int32, device=DEV)
-    pages = torch.randperm(blocks, device=DEV).to(torch.int32)
-    i = 0
-    for b, nb in enumerate(need):
-        table[b, :nb] = pages[i : i + nb]
-        i += nb
-    sl = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    lengths = [70, 0, 1, 130, 64, 257]
+    k, table, sl, blocks = _mla_pages(lengths)
     one = torch.ones(1, device=DEV)
     cache = quantized_caches(k, one, ("fp8_ds_mla",))["fp8_ds_mla"]
     deq = dequantized("fp8_ds_mla", cache, one)

@@ -15,3 +15,19 @@ def hopper(specs, variant="wgmma"):
             None, marks=pytest.mark.skip(reason=f"{variant}: an sm90 GPU only"), id=variant
         )
     ]
+
+
+def tuned_doc(family: str, entries: dict) -> dict:
+    """A tuned-configs file of ``family`` for sm90 holding ``entries`` (what the ops' variant
+    choice reads), with this process's torch and Triton (the loader ignores another's)."""
+    import torch
+    import triton
+
+    return {
+        "schema_version": 1,
+        "family": family,
+        "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x",
+                "torch": torch.__version__, "triton": triton.__version__},
+        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
+        "entries": entries,
+    }  # fmt: skip

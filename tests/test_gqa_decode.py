@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _hopper import MANY_LENGTHS, hopper
+from _hopper import MANY_LENGTHS, hopper, tuned_doc
 
 from kvgen import _dtypes, registry
 from kvgen.codegen import load
@@ -287,17 +287,6 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     _check((q, *odd), kwargs, ref_in)
 
 
-def _tuned_doc(entries):
-    return {
-        "schema_version": 1,
-        "family": "gqa_decode",
-        "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x",
-                "torch": torch.__version__, "triton": __import__("triton").__version__},
-        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
-        "entries": entries,
-    }  # fmt: skip
-
-
 def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
     """The op takes the Hopper variant on sm90 for int8 / fp8 e4m3 caches of 128-channel heads,
     one query a sequence and 16-byte aligned rows, and only where tuning measured it faster than the
@@ -336,7 +325,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     }
     (tmp_path / "sm90").mkdir()
     path = tmp_path / "sm90" / "gqa_decode.json"
-    path.write_text(json.dumps(_tuned_doc(entries)))
+    path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick() == "rows"
     assert configs.meta_params(rows, rows=4) == meta
@@ -356,7 +345,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(arch="sm80") == "portable"
     # a faster tuned portable entry wins
     entries[portable.name]["rows=4"]["time_us"] = 290.0
-    path.write_text(json.dumps(_tuned_doc(entries)))
+    path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick() == "portable"
 

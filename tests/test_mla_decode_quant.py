@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _hopper import MANY_LENGTHS, hopper
+from _hopper import MANY_LENGTHS, hopper, tuned_doc
 
 from kvgen.formats import mla_cache
 from kvgen.formats.mla_decode import mla_decode
@@ -563,14 +563,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
             "rows=16": {"meta": wgmma.default_meta(16), "time_us": 250.0, "default_time_us": 250.0}
         },  # fmt: skip
     }
-    doc = {
-        "schema_version": 1,
-        "family": "mla_decode_fp8_ds_mla",
-        "env": {"arch": "sm90", "cuda": "x", "device": "x", "kvgen": "x",
-                "torch": torch.__version__, "triton": __import__("triton").__version__},
-        "provenance": {"date": "x", "sampler": "tpe", "trials": 1},
-        "entries": entries,
-    }  # fmt: skip
+    doc = tuned_doc("mla_decode_fp8_ds_mla", entries)
     (tmp_path / "sm90").mkdir()
     (tmp_path / "sm90" / "mla_decode_fp8_ds_mla.json").write_text(json.dumps(doc))
     configs.reset()
