@@ -392,3 +392,24 @@ def test_chosen_spec_is_the_variant_the_op_runs(device):
         kwargs["cache_seqlens"], 128**-0.5, False, num_sms=num_sms(args[0].device), **meta,
     )  # fmt: skip
     assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+
+@pytest.mark.parametrize("kv,group", [("int8", 0), ("int4", 32)])
+def test_bench_problem_in_vllm_inline_rows(kv, group, device):
+    """``kvgen bench``'s inline rows: the caches are views into vLLM's padded rows (132 bytes
+    for int8, 72 for int4), the scales in the pad bytes, and the op reads them right."""
+    from kvgen.bench import gqa_decode as bench
+    from kvgen.formats.gqa_decode import dequantize_cache
+
+    q, k, v, ks, vs, table, sl = bench.problem(kv, group, [70, 3], 8, device, h_kv=2,
+                                               layout="inline")  # fmt: skip
+    row = 132 if kv == "int8" else 72
+    assert k.stride(2) * k.element_size() == row and v.stride(2) * v.element_size() == row
+    assert ks.data_ptr() - k.data_ptr() == (128 if kv == "int8" else 64)  # in the pad bytes
+    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=sl, block_table=table,
+                                       k_scale_cache=ks, v_scale_cache=vs,
+                                       return_softmax_lse=True)  # fmt: skip
+    k_deq = dequantize_cache(k.cpu(), ks.cpu(), 128)
+    v_deq = dequantize_cache(v.cpu(), vs.cpu(), 128)
+    ok, rel, detail = compare(out, lse, *gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu()))
+    assert ok, (rel, detail)

@@ -14,13 +14,17 @@ from kvgen.bench import harness
 H_KV, HEAD, PAGE = 8, 128, 16
 HEADS_Q = (32, 64)
 SHAPES = (("128 x 4096", 128, 4096), ("8 x 32768", 8, 32768))
-#: the formats the bench reads: (label, kv axis, int4 group)
+#: the formats the bench reads: (label, kv axis, int4 group, layout); "inline": vLLM's rows
+#: with the scales in their pad bytes (132-byte int8 / fp8 rows, 72-byte int4 ones)
 FORMATS = (
-    ("bf16", "auto", 0),
-    ("int8", "int8", 0),
-    ("fp8e4m3", "fp8e4m3", 0),
-    ("fp8e5m2", "fp8e5m2", 0),
-    ("int4 C32", "int4", 32),
+    ("bf16", "auto", 0, "nhd"),
+    ("int8", "int8", 0, "nhd"),
+    ("fp8e4m3", "fp8e4m3", 0, "nhd"),
+    ("fp8e5m2", "fp8e5m2", 0, "nhd"),
+    ("int4 C32", "int4", 32, "nhd"),
+    ("int8 inline", "int8", 0, "inline"),
+    ("fp8e4m3 inline", "fp8e4m3", 0, "inline"),
+    ("int4 C32 inline", "int4", 32, "inline"),
 )
 ROUNDS = 3
 
@@ -50,10 +54,10 @@ def token_bytes(kv: str, group: int, h_kv: int = H_KV, d: int = HEAD, dv: int = 
 
 
 def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0,
-            dtype=torch.bfloat16):  # fmt: skip
+            dtype=torch.bfloat16, layout="nhd"):  # fmt: skip
     """(q, k, v, k_scales, v_scales, block_table, cache_seqlens) with the caches written by
-    kvgen's stores, each sequence's pages in random order; q (and a bf16 / fp16 cache) in
-    ``dtype``."""
+    kvgen's stores in ``layout``, each sequence's pages in random order; q (and a bf16 / fp16
+    cache) in ``dtype``."""
     from kvgen.families.gqa_decode.verify import make_caches
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -62,7 +66,7 @@ def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0,
     keys = torch.randn(blocks * page, h_kv, HEAD, device=device, generator=gen)
     values = torch.randn(blocks * page, h_kv, HEAD, device=device, generator=gen)
     k, v, ks, vs, _, _ = make_caches(kv, group, keys, values, page, device, dequantize=False,
-                                     dtype=dtype)  # fmt: skip
+                                     dtype=dtype, layout=layout)  # fmt: skip
     del keys, values
     pages = torch.randperm(blocks, device=device, generator=gen).to(torch.int32)
     table = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=device)
@@ -75,24 +79,25 @@ def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0,
     return q, k, v, ks, vs, table, sl
 
 
-def checked_problem(kv, group, h_q, device, dtype=torch.bfloat16):
+def checked_problem(kv, group, h_q, device, dtype=torch.bfloat16, layout="nhd"):
     """A small batch of this format (lengths 1000, 333, 16, 1) and its float64 reference
     (out, lse): what the bench and the tuner check a result on."""
     from kvgen.formats.gqa_decode import dequantize_cache, gqa_decode
 
-    small = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1, dtype=dtype)
+    small = problem(kv, group, [1000, 333, 16, 1], h_q, device, seed=1, dtype=dtype,
+                    layout=layout)  # fmt: skip
     q, k, v, ks, vs, table, sl = small
     k_deq = dequantize_cache(k.cpu(), None if ks is None else ks.cpu(), HEAD)
     v_deq = dequantize_cache(v.cpu(), None if vs is None else vs.cpu(), HEAD)
     return small, gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu())
 
 
-def check(kv, group, h_q, device) -> bool:
+def check(kv, group, h_q, device, layout="nhd") -> bool:
     """The op on ``checked_problem``'s batch against its reference."""
     from kvgen.ops import flash_attn_with_kvcache
     from kvgen.verify import compare_attention
 
-    (q, k, v, ks, vs, table, sl), ref = checked_problem(kv, group, h_q, device)
+    (q, k, v, ks, vs, table, sl), ref = checked_problem(kv, group, h_q, device, layout=layout)
     out, lse = flash_attn_with_kvcache(
         q, k, v, cache_seqlens=sl, block_table=table, return_softmax_lse=True,
         k_scale_cache=ks, v_scale_cache=vs,
@@ -112,8 +117,9 @@ def run(device, copy_bw: float, heads=HEADS_Q, shapes=SHAPES, formats=FORMATS, p
         lengths = [seqlen] * batch
         for h_q in heads:
             calls = []
-            for label, kv, group in formats:
-                q, k, v, ks, vs, table, sl = problem(kv, group, lengths, h_q, device)
+            for label, kv, group, layout in formats:
+                q, k, v, ks, vs, table, sl = problem(kv, group, lengths, h_q, device,
+                                                     layout=layout)  # fmt: skip
 
                 def call(q=q, k=k, v=v, ks=ks, vs=vs, table=table, sl=sl):
                     return flash_attn_with_kvcache(
@@ -123,20 +129,20 @@ def run(device, copy_bw: float, heads=HEADS_Q, shapes=SHAPES, formats=FORMATS, p
 
                 spec = chosen_spec(q, k, v, cache_seqlens=sl, block_table=table, k_scale_cache=ks,
                                    v_scale_cache=vs)  # fmt: skip
-                calls.append((label, kv, group, call, spec.variant))
+                calls.append((label, kv, group, layout, call, spec.variant))
             times = {label: [] for label, *_ in calls}
             for r in range(rounds):
-                for label, _, _, call, _ in calls[r % len(calls) :] + calls[: r % len(calls)]:
+                for label, *_, call, _ in calls[r % len(calls) :] + calls[: r % len(calls)]:
                     t = harness.graph_time_us(lambda i, c=call: c(), 1, calls=8, replays=5)
                     times[label].append(t)
             bf16 = statistics.median(times["bf16"])
-            for label, kv, group, _, variant in calls:
+            for label, kv, group, layout, _, variant in calls:
                 t = statistics.median(times[label])
                 nbytes = token_bytes(kv, group) * batch * seqlen
                 row = GQADecodeRow(
                     label, shape, h_q, batch * seqlen, token_bytes(kv, group), t,
                     nbytes / (t * 1e-6) / 1e9, nbytes / (t * 1e-6) / copy_bw,
-                    check(kv, group, h_q, device), t / bf16, variant,
+                    check(kv, group, h_q, device, layout), t / bf16, variant,
                 )  # fmt: skip
                 rows.append(row)
                 if progress:
