@@ -322,27 +322,32 @@ def gqa_rows(kv: str) -> None:
     for spec in specs:
         dtype = _dtypes.TORCH[spec.dtype]
         launch = load(spec).launch
-        # (vLLM's 132-byte inline rows: 4-byte cp.async pieces)
-        for page, stages, layout in ((16, 2, "nhd"), (8, 4, "nhd"), (16, 3, "inline")):
+        # (vLLM's 132-byte inline rows: 4-byte cp.async pieces; two causal queries a sequence)
+        for page, stages, layout, s_q in (
+            (16, 2, "nhd", 1), (8, 4, "nhd", 1), (16, 3, "inline", 1), (16, 2, "nhd", 2)
+        ):  # fmt: skip
             blocks, table = block_table(seqlens, page, gen)
             keys = torch.randn(blocks * page, 2, 128, generator=gen)
             values = torch.randn(blocks * page, 2, 128, generator=gen)
             k, v, ks, vs, k_deq, v_deq = make_caches(spec.kv, 0, keys, values, page, DEV,
                                                      layout=layout, dtype=dtype)  # fmt: skip
-            q = torch.randn(len(seqlens), 1, 8, 128, generator=gen).to(dtype)
+            q = torch.randn(len(seqlens), s_q, 8, 128, generator=gen).to(dtype)
+            causal = s_q > 1
 
-            def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, launch=launch):
+            def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, causal=causal,
+                    launch=launch):  # fmt: skip
                 return launch(q.to(DEV), k, v, ks, vs, table.to(DEV), sl.to(DEV), 128**-0.5,
-                              False, num_stages=stages, split_factor=4)  # fmt: skip
+                              causal, num_stages=stages, split_factor=4)  # fmt: skip
 
             out, lse = run(table, sl)
-            ref = gqa_decode(q, k_deq, v_deq, table, sl)
-            check(f"{spec.name} page {page} stages {stages} {layout}", compare(out, lse, *ref)[0])
+            ref = gqa_decode(q, k_deq, v_deq, table, sl, causal=causal)
+            label = f"{spec.name} page {page} stages {stages} {layout} s_q {s_q}"
+            check(label, compare(out, lse, *ref)[0])
             bad_table, bad_sl = table.clone(), sl.clone()
             bad_table[0, 1], bad_table[3, 0] = blocks + 1000, -7
             bad_sl[2] = 10**6  # far past its table row
             bad_out, bad_lse = run(bad_table, bad_sl)
-            check(f"{spec.name} page {page} {layout} bad pages -> NaN",
+            check(f"{label} bad pages -> NaN",
                   _nan_for(bad_out, bad_lse, out, (0, 2, 3)))  # fmt: skip
 
 

@@ -277,7 +277,8 @@ for gs, words, pow2 in (
 # dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
 # flight; rows at multiples of 16 bytes (the caches and their block, row and head strides passed
 # as multiples of 16) and vLLM's 132-byte rows (4-byte aligned: nothing specialised), whose K
-# and V must still come by cp.async (4-byte LDGSTS), not a byte a load.
+# and V must still come by cp.async (4-byte LDGSTS), not a byte a load; one query a sequence
+# and several (speculative decoding: 2 and 4 queries, causal or not).
 for gs, group, bufs, row_align in (
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 4, 3, 16),
     (GQADecodeSpec(128, 128, "fp16", "int8", 0, "rows", "sm90", "gpu"), 16, 2, 16),
@@ -292,11 +293,13 @@ for gs, group, bufs, row_align in (
     types["scale_log2"] = "fp32"
     fn = load(gs).split_kernel
     strides = [n for n in fn.arg_names if n.startswith(("stride_k_", "stride_v_"))]
-    n = load(gs).mma_n(group)
     aligned = ("k_ptr", "v_ptr", *strides) if row_align == 16 else ()
+    # speculative decoding's queries (SQ x G query rows, causal) where they fit N 16
+    sq, causal = (4, True) if group == 4 else (2, False) if group == 8 else (1, False)
+    n = load(gs).mma_n(sq * group)
     kernel = compile_fn(f"{gs.name} rows at {row_align} bytes", fn, types,
-                        {"G": group, "N": n, "NUM_BUF": bufs, "ROW_ALIGN": row_align},
-                        aligned=aligned)  # fmt: skip
+                        {"G": group, "N": n, "NUM_BUF": bufs, "ROW_ALIGN": row_align, "SQ": sq,
+                         "CAUSAL": causal}, aligned=aligned)  # fmt: skip
     if kernel is not None:
         code = sass(kernel)
         copies, byte_loads = len(re.findall(r"\bLDGSTS\b", code)), code.count("LDG.E.U8")

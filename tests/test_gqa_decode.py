@@ -179,18 +179,18 @@ ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
 
 
 def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0,
-               layout="nhd"):  # fmt: skip
+               layout="nhd", s_q=1):  # fmt: skip
     dtype = _dtypes.TORCH[spec.dtype]
     return _case(device, spec.kv, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page, dtype=dtype,
-                 seed=seed, layout=layout)  # fmt: skip
+                 seed=seed, layout=layout, s_q=s_q)  # fmt: skip
 
 
-def _launch(spec, args, kwargs, **meta):
+def _launch(spec, args, kwargs, causal=False, **meta):
     q, k, v = args
     return load(spec).launch(
         q, k, v, kwargs["k_scale_cache"], kwargs["v_scale_cache"], kwargs["block_table"],
-        kwargs["cache_seqlens"], q.shape[-1] ** -0.5, False,
-        **spec.default_meta(rows=q.shape[2] // k.shape[2]) | meta,
+        kwargs["cache_seqlens"], q.shape[-1] ** -0.5, causal,
+        **spec.default_meta(rows=q.shape[1] * q.shape[2] // k.shape[2]) | meta,
     )  # fmt: skip
 
 
@@ -225,6 +225,25 @@ def test_rows_variant_reads_vllm_inline_rows(spec, h_q, h_kv, page, num_stages, 
         out, lse = _launch(spec, args, kwargs, num_stages=num_stages, split_factor=split_factor)
         ok, rel, detail = compare(out, lse, *ref)
         assert ok, (split_factor, rel, detail)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "s_q,h_q,h_kv,page", [(2, 8, 1, 16), (4, 8, 2, 64), (8, 2, 1, 32), (3, 5, 1, 1)]
+)
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_several_queries_a_sequence(spec, s_q, h_q, h_kv, page, causal, device):
+    """Speculative decoding: 2-8 queries a sequence as the MMAs' columns (queries x heads, up
+    to 16 a KV head, 15 padded to 16), causal (query i sees the keys up to seqlen - s_q + i:
+    the first queries of a sequence shorter than s_q see none, out 0 and lse +inf) or not,
+    split and whole sequences."""
+    args, kwargs, ref_in = _rows_case(spec, device, h_q=h_q, h_kv=h_kv, page=page, s_q=s_q)
+    ref = gqa_decode(*ref_in, causal=causal)
+    for split_factor in (1, 16):
+        out, lse = _launch(spec, args, kwargs, causal=causal, split_factor=split_factor)
+        ok, rel, detail = compare(out, lse, *ref)
+        assert ok, (split_factor, rel, detail)
+        assert (out.cpu()[ref[1].permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
 
 
 @pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
@@ -262,12 +281,13 @@ def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
 
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
-    """Several queries a sequence, more than 16 query heads a KV head, pages that are not a
-    power of two, rows not at multiples of 4 bytes: ValueError from the launcher; the op takes
-    the portable variant for them, and is right."""
+    """More than 8 queries a sequence, more than 16 query rows (queries x query heads) a KV
+    head, pages that are not a power of two, rows not at multiples of 4 bytes: ValueError from
+    the launcher; the op takes the portable variant for them, and is right."""
     cases = [
-        (dict(s_q=2), {}, "one query"),
+        (dict(s_q=9, h_q=1, h_kv=1), {}, "1 to 8 queries"),
         (dict(h_q=32, h_kv=1), {}, "at most 16"),
+        (dict(s_q=2, h_q=16, h_kv=1), {}, "at most 16"),
         (dict(page=24), {}, "power of two"),
     ]
     dtype = _dtypes.TORCH[spec.dtype]
@@ -337,7 +357,11 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     monkeypatch.setattr(op_module, "ROWS_INLINE_OFFERED", True)
     assert pick(layout="inline") == "rows"
     monkeypatch.setattr(op_module, "ROWS_INLINE_OFFERED", False)
-    assert pick(s_q=2) == "portable"
+    assert pick(s_q=2) == "portable"  # the launcher takes it, the op not yet
+    monkeypatch.setattr(op_module, "ROWS_QUERIES_OFFERED", 8)
+    assert pick(s_q=2) == "rows" and pick(s_q=4) == "rows"  # 4 x 4 query rows a KV head
+    assert pick(s_q=5) == "portable"  # 20 query rows a KV head
+    monkeypatch.setattr(op_module, "ROWS_QUERIES_OFFERED", 1)
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
     assert pick(page=24) == "portable"
     assert pick(kv="fp8e4m3") == "portable"  # its rows variant is not tuned

@@ -32,6 +32,10 @@ ROWS_OFFERED = ROWS_FORMATS
 # (vLLM's 132-byte rows, by 4-byte cp.async pieces): not until that form has passed its tests
 # and the sanitizer on a GPU; the launcher itself takes them.
 ROWS_INLINE_OFFERED = False
+# The most queries a sequence for which the op takes the rows variant: its launcher takes up to
+# 8 (speculative decoding, causal rows; at most 16 query rows a KV head), the op 1 until the
+# form of several has passed its tests and the sanitizer on a GPU.
+ROWS_QUERIES_OFFERED = 1
 
 
 def _size_ok(v: Any) -> bool:
