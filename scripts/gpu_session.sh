@@ -15,9 +15,9 @@
 #                                  in one process (benchmarks/compare_tuned.py)
 #   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
 #                                  in one call: its tests (tests/test_F.py, or the files of
-#                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the
-#                                  variants NAME... (default: F's default variants) into a copy
-#                                  of tuned_configs (F's JSON comes back), its bench
+#                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the variants
+#                                  NAME... (default: F's default variants; KVGEN_TUNE=0: none)
+#                                  into a copy of tuned_configs (F's JSON comes back), its bench
 #                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the
 #                                  sanitizer over KVGEN_CHECK_SECTIONS (default: every section,
 #                                  python3 scripts/gpu_check.py --list), each run capped at
@@ -85,10 +85,12 @@ case "${1:-tests}" in
     rm -rf "$tuned" && cp -r tuned_configs "$tuned"
     names=("$@")
     [ ${#names[@]} -gt 0 ] || names=(--family "$fam")
-    python3 -P -m kvgen tune --arch sm90 "${names[@]}" --out "$tuned" \
-      --storage "/tmp/kvgen-tune-$fam.journal" 2>&1 | tee "$out/tune-$fam-$day.log" |
-      grep -E "^(tuning|progress|workers done|wrote|  \[)" || rc=1
-    cp "$tuned/sm90/$fam.json" "$out/" 2>/dev/null || true
+    if [ "${KVGEN_TUNE:-1}" != 0 ]; then
+      python3 -P -m kvgen tune --arch sm90 "${names[@]}" --out "$tuned" \
+        --storage "/tmp/kvgen-tune-$fam.journal" 2>&1 | tee "$out/tune-$fam-$day.log" |
+        grep -E "^(tuning|progress|workers done|wrote|  \[)" || rc=1
+      cp "$tuned/sm90/$fam.json" "$out/" 2>/dev/null || true
+    fi
     KVGEN_TUNED_CONFIGS=$tuned python3 -P -m kvgen bench --ops "${KVGEN_BENCH_OPS:-$fam}" \
       --json "$out/$fam-$day.json" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 |
       tee "$out/bench-$fam-$day.txt" | tail -n 30 || rc=1
