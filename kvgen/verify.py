@@ -130,7 +130,6 @@ def gqa_accuracy_table(batch: int = 4, seqlen: int = 256, h_kv: int = 8, group: 
     V caches of each format and over the bf16 ones, relative error of ``out`` and max error of
     ``lse``. Data: keys with a few outlier channels (x10), Gaussian values, bf16 queries;
     ``h_kv`` KV heads of ``head`` channels, ``group`` query heads a KV head."""
-    from kvgen.bench.gqa_decode import token_bytes
     from kvgen.formats import gqa_decode
     from kvgen.formats import per_token_head as pth
 
@@ -177,7 +176,7 @@ def gqa_accuracy_table(batch: int = 4, seqlen: int = 256, h_kv: int = 8, group: 
         rows.append(
             {
                 "format": name,
-                "bytes_per_token": token_bytes(kv, channels, h_kv, head, head),
+                "bytes_per_token": gqa_decode.bytes_per_token(kv, channels, h_kv, head, head),
                 "out_rel_err": float((out - ref_out).norm() / ref_out.norm()),
                 "lse_max_err": float((lse - ref_lse).abs().max()),
             }

@@ -206,7 +206,7 @@ def test_json_output_parses():
     acc = json.loads(runner.invoke(app, ["verify", "--accuracy", "--json"]).stdout)
     assert {"format", "data", "snr_db", "max_err_amax"} <= set(acc["formats"][0])
     assert {"format", "bytes_per_token", "out_rel_err", "lse_max_err"} <= set(acc["decode"][0])
-    assert {"format", "bytes_per_token", "out_rel_err"} <= set(acc["gqa_decode"][0])
+    assert {"format", "bytes_per_token", "out_rel_err"} <= set(acc["gqa"][0])
 
 
 def test_show_marks_the_decode_variant_each_bucket_uses():

@@ -10,6 +10,7 @@ import torch
 
 from kvgen._math import cdiv
 from kvgen.bench import harness
+from kvgen.formats.gqa_decode import bytes_per_token
 
 H_KV, HEAD, PAGE = 8, 128, 16
 HEADS_Q = (32, 64)
@@ -45,12 +46,9 @@ class GQADecodeRow:
 
 
 def token_bytes(kv: str, group: int, h_kv: int = H_KV, d: int = HEAD, dv: int = HEAD) -> int:
-    """Bytes the decode reads per token: K and V of every KV head, with their scales."""
-    if kv == "auto":
-        return h_kv * (d + dv) * 2
-    if kv == "int4":
-        return h_kv * (cdiv(d, 2) + cdiv(dv, 2) + 2 * (cdiv(d, group) + cdiv(dv, group)))
-    return h_kv * (d + dv + 8)
+    """Bytes the decode reads per token (``kvgen.formats.gqa_decode.bytes_per_token``), at the
+    bench's 8 KV heads x 128 unless told."""
+    return bytes_per_token(kv, group, h_kv, d, dv)
 
 
 def problem(kv, group, lengths, h_q, device, *, h_kv=H_KV, page=PAGE, seed=0,

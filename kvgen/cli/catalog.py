@@ -108,7 +108,7 @@ def verify_cmd(
             rows, mla = verify.accuracy_table(), verify.mla_accuracy_table()
             gqa = verify.gqa_accuracy_table()
         if as_json:
-            show.print_json({"formats": rows, "decode": mla, "gqa_decode": gqa})
+            show.print_json({"formats": rows, "decode": mla, "gqa": gqa})
         else:
             show.out(wide).print(show.accuracy_table(rows))
             show.out(wide).print(show.mla_accuracy_table(mla))

@@ -19,8 +19,20 @@ import math
 
 import torch
 
+from kvgen._math import cdiv
 from kvgen.formats import per_token_head
 from kvgen.formats.mla_decode import gather_pages
+
+
+def bytes_per_token(kv: str, group: int, h_kv: int, d: int, dv: int) -> int:
+    """Bytes a decode reads per token of a cache in format ``kv`` (``"auto"``: 16-bit values;
+    int8 / fp8: one-byte codes and an fp32 scale per token and head; int4: packed codes and an
+    fp16 scale per ``group`` channels), K and V of every KV head."""
+    if kv == "auto":
+        return h_kv * (d + dv) * 2
+    if kv == "int4":
+        return h_kv * (cdiv(d, 2) + cdiv(dv, 2) + 2 * (cdiv(d, group) + cdiv(dv, group)))
+    return h_kv * (d + dv + 8)
 
 
 def dequantize_cache(cache: torch.Tensor, scales: torch.Tensor | None, head_size: int):
