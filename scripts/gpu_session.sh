@@ -18,8 +18,9 @@
 #                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the variants
 #                                  NAME... (default: F's default variants; KVGEN_TUNE=0: none)
 #                                  into a copy of tuned_configs (F's JSON comes back), its bench
-#                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the
-#                                  sanitizer over KVGEN_CHECK_SECTIONS (default: every section,
+#                                  (KVGEN_BENCH_OPS, default F; set empty: none) with the copy's
+#                                  configs, and the sanitizer over KVGEN_CHECK_SECTIONS (default:
+#                                  every section,
 #                                  python3 scripts/gpu_check.py --list), each run capped at
 #                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200)
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
@@ -91,9 +92,12 @@ case "${1:-tests}" in
         grep -E "^(tuning|progress|workers done|wrote|  \[)" || rc=1
       cp "$tuned/sm90/$fam.json" "$out/" 2>/dev/null || true
     fi
-    KVGEN_TUNED_CONFIGS=$tuned python3 -P -m kvgen bench --ops "${KVGEN_BENCH_OPS:-$fam}" \
-      --json "$out/$fam-$day.json" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 |
-      tee "$out/bench-$fam-$day.txt" | tail -n 30 || rc=1
+    ops=${KVGEN_BENCH_OPS-$fam}  # (set and empty: no bench)
+    if [ -n "$ops" ]; then
+      KVGEN_TUNED_CONFIGS=$tuned python3 -P -m kvgen bench --ops "$ops" \
+        --json "$out/$fam-$day.json" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 |
+        tee "$out/bench-$fam-$day.txt" | tail -n 30 || rc=1
+    fi
     # shellcheck disable=SC2086  # a list of section names
     KVGEN_SANITIZER_TIMEOUT=${KVGEN_SANITIZER_TIMEOUT:-200} PYTHON=python3 \
       scripts/gpu_check.sh "$out/gpu-check-$fam-$day.txt" ${KVGEN_CHECK_SECTIONS:-} || rc=1
