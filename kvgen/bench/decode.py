@@ -83,6 +83,7 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None):
     from kvgen.codegen import load
     from kvgen.codegen.spec import SpecError
     from kvgen.families import mla_decode as md
+    from kvgen.ops._mla_choice import accepts
 
     arch, target = runtime.target_of(device)
     scale = HEAD_DIM**-0.5
@@ -101,12 +102,11 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None):
             spec = cls(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
         except SpecError:
             continue
-        module = load(spec)
-        if heads is not None and hasattr(module, "accepts"):
+        if heads is not None:
             probe = torch.empty(1, 1, heads, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-            if module.accepts(probe, k) is not None:
+            if not accepts(spec, k, heads, probe):
                 continue
-        launch = module.launch
+        launch = load(spec).launch
 
         def call(q, table, sl, meta, splits, launch=launch, spec=spec):
             mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])

@@ -43,7 +43,7 @@ def choose(cls, d, dv, dtype, arch, target, k, rows, *more, q=None):
         if available(v, arch, target)
         for spec in [spec_or_none(cls, d, dv, dtype, v, arch, target, *more)]
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
-        if _accepts(spec, k, rows, q)
+        if accepts(spec, k, rows, q)
     ]
     return tuned_winner(portable, others, rows)
 
@@ -57,7 +57,10 @@ def spec_or_none(*fields):
         return None
 
 
-def _accepts(spec, k, rows, q) -> bool:
+def accepts(spec, k, rows, q) -> bool:
+    """Whether ``spec``'s launcher reads cache ``k`` (its ``check_cache`` at the tuned tile of
+    ``rows``) for queries ``q`` (the rows variant's ``accepts``: their shape and dtype too; a
+    meta tensor will do)."""
     mod = module(spec)
     if hasattr(mod, "accepts"):  # (the rows variant: q's shape and dtype matter too)
         return q is not None and mod.accepts(q, k) is None

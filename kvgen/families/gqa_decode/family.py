@@ -48,7 +48,8 @@ class GQADecode(Family):
 
     @staticmethod
     def _rows(arch: str, target: str, dtypes) -> list[VariantSpec]:
-        """The Hopper (rows) variants kvgen offers where they exist: 128 / 128 int8 caches."""
+        """The Hopper (rows) variants kvgen offers where they exist: 128 / 128 caches of the
+        ROWS_OFFERED formats."""
         if not available("rows", arch, target):
             return []
         return [

@@ -32,11 +32,9 @@ ROWS_FORMATS = ("fp8_ds_mla",)  # the caches the rows template reads
 ROWS_OFFERED: tuple[str, ...] = ()
 
 
-def variants_for(kv_format: str, offered_only: bool = True) -> tuple[str, ...]:
-    """The variants that exist for caches of ``kv_format`` (rows: ROWS_OFFERED's formats, or
-    ROWS_FORMATS' with ``offered_only=False``)."""
-    rows = ROWS_OFFERED if offered_only else ROWS_FORMATS
-    return tuple(v for v in VARIANTS if v != "rows" or kv_format in rows)
+def variants_for(kv_format: str) -> tuple[str, ...]:
+    """The variants kvgen offers for caches of ``kv_format`` (rows: ROWS_OFFERED's formats)."""
+    return tuple(v for v in VARIANTS if v != "rows" or kv_format in ROWS_OFFERED)
 
 
 def _pow2(v: int) -> bool:
