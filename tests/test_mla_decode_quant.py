@@ -414,26 +414,18 @@ def _rows_specs():
     return hopper([MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)], "rows")
 
 
-def _rows_case(seqlens, h_q, device, seed=0, poison=True):
-    """(q, cache, table, seqlens, dequantized bf16 cache): pages of 64 back to back, in random
-    order, the rows past each sequence's end 0xFF bytes (NaN codes and scales)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks, table = _table(seqlens, 64, gen)
-    kv = torch.randn(blocks * 64, 576, generator=gen)
-    kv[:, 5] *= 30.0  # an outlier channel
-    kv[:, 300:310] *= 1e-3  # a scale tile's quiet channels
-    cache = torch.empty(blocks, 64, 1, 656, dtype=torch.uint8, device=device)
-    slots = torch.arange(blocks * 64, device=device)
-    _store("fp8_ds_mla", kv.to(torch.bfloat16).to(device), slots, cache.view(blocks, 64, 656),
-           torch.ones(1, device=device))  # fmt: skip
-    for b, n in enumerate(seqlens) if poison else ():
+def _rows_case(seqlens, h_q, device, seed=0):
+    """(q, cache, table, seqlens, dequantized bf16 cache): ``_cache``'s pages of 64 back to back,
+    in random order, the rows past each sequence's end then set to 0xFF bytes (NaN codes and
+    scales)."""
+    cache, table, deq = _cache(seqlens, 64, device, seed)
+    for b, n in enumerate(seqlens):
         for t in range(n, -(-n // 64) * 64):
             cache[int(table[b, t // 64]), t % 64] = 0xFF
-    deq = mla_cache.dequantize_fp8_ds_mla(cache.cpu().reshape(-1, 656))
-    deq = deq.reshape(blocks, 64, 1, 576).to(torch.bfloat16).to(device)
+    gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(seqlens), 1, h_q, 576, generator=gen) * 2.0
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
-    return q.to(torch.bfloat16).to(device), cache, table.to(device), sl, deq
+    return q.to(torch.bfloat16).to(device), cache, table, sl, deq
 
 
 def _rows_launch(spec, q, cache, table, sl, **meta_kw):
