@@ -304,23 +304,24 @@ def gqa_decodes(formats=GQA_FORMATS) -> None:
             check(f"flash_attn_with_kvcache {kv} {layout} bad pages -> NaN", all(nan))
 
 
-def gqa_rows(kv: str) -> None:
-    """The GQA decode's Hopper variant (rows) through its launcher over ``kv`` caches, each query
-    dtype: the fewest and the most tiles in flight, a page size whose tiles cross pages, and
-    block tables naming pages outside the cache and lengths past the table (never read)."""
+def gqa_rows(kv: str, dtype: str) -> None:
+    """The GQA decode's Hopper variant (rows) through its launcher over ``kv`` caches with
+    ``dtype`` queries: the fewest and the most tiles in flight, a page size whose tiles cross
+    pages, vLLM's inline rows, two causal queries a sequence, and block tables naming pages
+    outside the cache and lengths past the table (never read)."""
     from kvgen.families.gqa_decode.verify import make_caches
     from kvgen.formats.gqa_decode import gqa_decode
     from kvgen.verify import block_table
     from kvgen.verify import compare_attention as compare
 
     specs = registry.variants(*runtime.local_target(), "gqa_decode")
-    specs = [s for s in specs if s.variant == "rows" and s.kv == kv]
-    check(f"gqa rows variants for {kv} found", bool(specs) or DEV.type != "cuda")
+    specs = [s for s in specs if s.variant == "rows" and (s.kv, s.dtype) == (kv, dtype)]
+    check(f"gqa rows variant for {kv}, {dtype} queries found", bool(specs) or DEV.type != "cuda")
     gen = torch.Generator().manual_seed(0)
     seqlens = [70, 0, 1, 130, 64, 257]
     sl = torch.tensor(seqlens, dtype=torch.int32)
     for spec in specs:
-        dtype = _dtypes.TORCH[spec.dtype]
+        q_dtype = _dtypes.TORCH[spec.dtype]
         launch = load(spec).launch
         # (vLLM's 132-byte inline rows: 4-byte cp.async pieces; two causal queries a sequence)
         for page, stages, layout, s_q in (
@@ -330,8 +331,8 @@ def gqa_rows(kv: str) -> None:
             keys = torch.randn(blocks * page, 2, 128, generator=gen)
             values = torch.randn(blocks * page, 2, 128, generator=gen)
             k, v, ks, vs, k_deq, v_deq = make_caches(spec.kv, 0, keys, values, page, DEV,
-                                                     layout=layout, dtype=dtype)  # fmt: skip
-            q = torch.randn(len(seqlens), s_q, 8, 128, generator=gen).to(dtype)
+                                                     layout=layout, dtype=q_dtype)  # fmt: skip
+            q = torch.randn(len(seqlens), s_q, 8, 128, generator=gen).to(q_dtype)
             causal = s_q > 1
 
             def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, causal=causal,
@@ -363,11 +364,16 @@ SECTIONS = {
         mla_rows,
     )
 }
-# (one section a GQA cache format: racecheck is slowest on these, and sections run side by side)
+# (one section a GQA cache format, and for the rows variant a query dtype: racecheck is slowest
+# on these, and sections run side by side)
 SECTIONS |= {
     f"gqa_decodes_{kv}": functools.partial(gqa_decodes, ((kv, group),)) for kv, group in GQA_FORMATS
 }
-SECTIONS |= {f"gqa_rows_{kv}": functools.partial(gqa_rows, kv) for kv in ROWS_FORMATS}
+SECTIONS |= {
+    f"gqa_rows_{kv}_{dt}": functools.partial(gqa_rows, kv, dt)
+    for kv in ROWS_FORMATS
+    for dt in ("bf16", "fp16")
+}
 
 if __name__ == "__main__":
     # python scripts/gpu_check.py [--list | section ...]: the sections named (default: all)

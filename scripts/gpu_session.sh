@@ -15,14 +15,16 @@
 #                                  in one process (benchmarks/compare_tuned.py)
 #   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
 #                                  in one call: its tests (tests/test_F.py, or the files of
-#                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the variants
-#                                  NAME... (default: F's default variants; KVGEN_TUNE=0: none)
-#                                  into a copy of tuned_configs (F's JSON comes back), its bench
-#                                  (KVGEN_BENCH_OPS, default F; set empty: none) with the copy's
-#                                  configs, and the sanitizer over KVGEN_CHECK_SECTIONS (default:
-#                                  every section,
+#                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the
+#                                  variants NAME... (default: F's default variants; options such
+#                                  as --timeout S may follow; KVGEN_TUNE=0: none) into a copy of
+#                                  tuned_configs (F's JSON comes back), its bench
+#                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the
+#                                  sanitizer over KVGEN_CHECK_SECTIONS (default: every section,
 #                                  python3 scripts/gpu_check.py --list), each run capped at
-#                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200)
+#                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200); each of
+#                                  KVGEN_TEST_FILES, KVGEN_BENCH_OPS and KVGEN_CHECK_SECTIONS set
+#                                  empty skips its step
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
 #                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
 #                                  beside kvgen's decodes in its process, with their JSON
@@ -78,10 +80,12 @@ case "${1:-tests}" in
   family)
     fam=${2:?usage: $0 family F [NAME...]}
     shift 2
-    # shellcheck disable=SC2086  # lists of files and options
-    python3 -P -m pytest -q -n 8 -p no:cacheprovider ${KVGEN_TEST_FILES:-tests/test_$fam.py} \
-      ${KVGEN_TEST_ARGS:-} 2>&1 |
-      tee "$out/gpu-tests-$fam-$day.log" | tail -n 8 || rc=1
+    if [ "${KVGEN_TEST_FILES-unset}" != "" ]; then  # (set and empty: no tests)
+      # shellcheck disable=SC2086  # lists of files and options
+      python3 -P -m pytest -q -n 8 -p no:cacheprovider ${KVGEN_TEST_FILES:-tests/test_$fam.py} \
+        ${KVGEN_TEST_ARGS:-} 2>&1 |
+        tee "$out/gpu-tests-$fam-$day.log" | tail -n 8 || rc=1
+    fi
     tuned=/tmp/kvgen-tuned-$fam
     rm -rf "$tuned" && cp -r tuned_configs "$tuned"
     names=("$@")
@@ -98,9 +102,11 @@ case "${1:-tests}" in
         --json "$out/$fam-$day.json" ${KVGEN_COMMIT:+--commit "$KVGEN_COMMIT"} 2>&1 |
         tee "$out/bench-$fam-$day.txt" | tail -n 30 || rc=1
     fi
-    # shellcheck disable=SC2086  # a list of section names
-    KVGEN_SANITIZER_TIMEOUT=${KVGEN_SANITIZER_TIMEOUT:-200} PYTHON=python3 \
-      scripts/gpu_check.sh "$out/gpu-check-$fam-$day.txt" ${KVGEN_CHECK_SECTIONS:-} || rc=1
+    if [ "${KVGEN_CHECK_SECTIONS-unset}" != "" ]; then  # (set and empty: no sanitizer)
+      # shellcheck disable=SC2086  # a list of section names
+      KVGEN_SANITIZER_TIMEOUT=${KVGEN_SANITIZER_TIMEOUT:-200} PYTHON=python3 \
+        scripts/gpu_check.sh "$out/gpu-check-$fam-$day.txt" ${KVGEN_CHECK_SECTIONS:-} || rc=1
+    fi
     ;;
   protos)
     python3 -P benchmarks/proto_keys_as_rows.py --heads 16,32 --splits 1,2 --bufs 2 --async 0 \

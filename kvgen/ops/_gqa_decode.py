@@ -10,8 +10,6 @@ from kvgen import _dtypes, configs, runtime
 from kvgen._math import cdiv
 from kvgen.families.gqa_decode import (
     INT4_GROUPS,
-    ROWS_INLINE_OFFERED,
-    ROWS_QUERIES_OFFERED,
     VARIANTS,
     GQADecodeSpec,
     available,
@@ -131,9 +129,8 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
     Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU), its spec exists and its launcher accepts the
-    tensors (``accepts``: up to 8 queries a sequence, rows at multiples of 4 bytes, ...; the op
-    takes it for one query a sequence and rows at multiples of 16 bytes only, until
-    ROWS_QUERIES_OFFERED and ROWS_INLINE_OFFERED say otherwise); the portable one otherwise."""
+    tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, rows at
+    multiples of 4 bytes, ...); the portable one otherwise."""
     fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
     portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
@@ -146,10 +143,6 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
         if module(spec).accepts(q, k, v, bt) is None
-        # (4-byte aligned rows, several queries a sequence: not yet, ROWS_INLINE_OFFERED,
-        # ROWS_QUERIES_OFFERED)
-        if ROWS_INLINE_OFFERED or module(spec).row_align(k, v) >= 16
-        if q.shape[1] <= ROWS_QUERIES_OFFERED
     ]
     return tuned_winner(portable, others, rows)
 

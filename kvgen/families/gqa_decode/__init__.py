@@ -18,8 +18,9 @@ INT4_GROUPS = formats.INT4.groups
 HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 # portable: Triton, any arch (gqa_decode.py.j2): a KV head's query rows as the MMA's rows, K and
 # V converted to the queries' dtype. rows: a Gluon kernel for sm90 (gqa_decode_rows.py.j2) over
-# int8 and fp8 e4m3 caches of 128-channel heads, one query a sequence: the keys as the MMA's
-# rows; int8 codes multiplied as they are stored (s8 MMAs), e4m3 keys converted to f16 for S
+# int8 and fp8 e4m3 caches of 128-channel heads, rows at multiples of 4 bytes (vLLM's 132-byte
+# inline rows too), up to 8 queries a sequence (at most 16 query rows a KV head): the keys as the
+# MMA's rows; int8 codes multiplied as they are stored (s8 MMAs), e4m3 keys converted to f16 for S
 # and e4m3 values multiplied as stored for PV; GPU only (Gluon does not run in Triton's
 # interpreter).
 VARIANTS = ("portable", "rows")
@@ -28,14 +29,6 @@ ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
 ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name)  # what its template generates
 # What kvgen lists, verifies and tunes (and so the op can take).
 ROWS_OFFERED = ROWS_FORMATS
-# Whether the op takes the rows variant for rows that start at multiples of 4 bytes only
-# (vLLM's 132-byte rows, by 4-byte cp.async pieces): not until that form has passed its tests
-# and the sanitizer on a GPU; the launcher itself takes them.
-ROWS_INLINE_OFFERED = False
-# The most queries a sequence for which the op takes the rows variant: its launcher takes up to
-# 8 (speculative decoding, causal rows; at most 16 query rows a KV head), the op 1 until the
-# form of several has passed its tests and the sanitizer on a GPU.
-ROWS_QUERIES_OFFERED = 1
 
 
 def _size_ok(v: Any) -> bool:

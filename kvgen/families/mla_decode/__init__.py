@@ -27,9 +27,8 @@ TEMPLATES = {
     "rows": "mla_decode_rows.py.j2",
 }
 ROWS_FORMATS = ("fp8_ds_mla",)  # the caches the rows template reads
-# What kvgen lists, verifies and tunes (and so the op can take): none yet; the fp8_ds_mla form
-# joins once it has passed its tests and the sanitizer on a GPU.
-ROWS_OFFERED: tuple[str, ...] = ()
+# What kvgen lists, verifies and tunes (and so the op can take).
+ROWS_OFFERED: tuple[str, ...] = ROWS_FORMATS
 
 
 def variants_for(kv_format: str) -> tuple[str, ...]:
