@@ -352,8 +352,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(h_q=64) == "rows"  # rows 8: the nearest bucket's times
     assert pick(layout="hnd") == "rows"  # any strides of multiples of 16 bytes
     assert pick(page=64) == "rows"
-    # vLLM's 132-byte rows: the launcher takes them (4-byte cp.async pieces), the op not (slower)
-    assert pick(layout="inline") == "portable"
+    assert pick(layout="inline") == "rows"  # vLLM's 132-byte rows: 4-byte cp.async pieces
     assert pick(s_q=2) == "rows" and pick(s_q=4) == "rows"  # 4 x 4 query rows a KV head
     assert pick(s_q=5) == "portable"  # 20 query rows a KV head
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head

@@ -129,8 +129,8 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
     Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU), its spec exists and its launcher accepts the
-    tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, ...) and
-    its rows start at multiples of 16 bytes; the portable one otherwise."""
+    tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, rows at
+    multiples of 4 bytes, ...); the portable one otherwise."""
     fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
     portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
@@ -143,10 +143,6 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
         if module(spec).accepts(q, k, v, bt) is None
-        # (rows at multiples of 4 bytes only, e.g. vLLM's 132-byte inline rows: its launcher
-        # reads them by 4-byte cp.async, 2.4x the time of 16-byte rows on the H200, slower than
-        # the portable variant; its tuned times are for 16-byte rows)
-        if module(spec).row_align(k, v) >= 16
     ]
     return tuned_winner(portable, others, rows)
 
