@@ -937,7 +937,7 @@ def main() -> None:
                 callers["bf16 (kvgen)"] = functools.partial(call, *args_)
         for label, call in bd._callers(dev, cache, "fp8_ds_mla"):
             if label.startswith("auto"):
-                callers["fp8_ds_mla (kvgen wgmma)"] = functools.partial(call, *args_)
+                callers["fp8_ds_mla (kvgen op)"] = functools.partial(call, *args_)
         descs = descriptors(cache)
         configs = [
             (s, int(nb), int(a), int(f8), int(lz), int(wg))
