@@ -25,6 +25,12 @@
 #                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200); each of
 #                                  KVGEN_TEST_FILES, KVGEN_BENCH_OPS and KVGEN_CHECK_SECTIONS set
 #                                  empty skips its step
+#   scripts/gpu_session.sh ab TAR [N] -- ARGS... python3 -P ARGS (a script or -m module and its
+#                                  arguments) under this checkout's kvgen (A) and under the
+#                                  kvgen of TAR (B: a `git archive` of another commit, e.g. in a
+#                                  carried folder), alternated A B A B ... N rounds (default 2),
+#                                  each run's output in $out/ab-{A,B}-<round>.txt: a kernel
+#                                  change timed against its base on one machine
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
 #                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
 #                                  beside kvgen's decodes in its process, with their JSON
@@ -108,6 +114,25 @@ case "${1:-tests}" in
         scripts/gpu_check.sh "$out/gpu-check-$fam-$day.txt" ${KVGEN_CHECK_SECTIONS:-} || rc=1
     fi
     ;;
+  ab)
+    tar=${2:?usage: $0 ab TAR [N] -- ARGS...}
+    rounds=2
+    shift 2
+    if [ "${1:-}" != "--" ]; then rounds=$1; shift; fi
+    [ "${1:-}" = "--" ] || { echo "usage: $0 ab TAR [N] -- ARGS..." >&2; exit 2; }
+    shift
+    rm -rf /tmp/kvB-src && mkdir -p /tmp/kvB-src && tar -xf "$tar" -C /tmp/kvB-src || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
+      --target /tmp/kvB /tmp/kvB-src || exit 1
+    for r in $(seq 1 "$rounds"); do
+      for side in A B; do
+        pp=$PYTHONPATH
+        [ $side = B ] && pp=${PYTHONPATH/\/tmp\/kv/\/tmp\/kvB}
+        echo "== $side round $r"
+        PYTHONPATH=$pp python3 -P "$@" 2>&1 | tee "$out/ab-$side-$r.txt" | tail -n 12 || rc=1
+      done
+    done
+    ;;
   protos)
     python3 -P benchmarks/proto_keys_as_rows.py --heads 16,32 --splits 1,2 --bufs 2 --async 0 \
       --s-fp8 1 --lazy 1 --wgs 1,2 --json "$out/proto-keys-as-rows-$day.json" 2>&1 |
@@ -117,7 +142,8 @@ case "${1:-tests}" in
       grep "^h=" || rc=1
     ;;
   *)
-    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|family F [NAME...]|protos" >&2
+    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|family F [NAME...]|" \
+      "ab TAR [N] -- ARGS...|protos" >&2
     exit 2
     ;;
 esac
