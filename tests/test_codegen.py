@@ -167,10 +167,11 @@ def test_changed_text_is_rewritten_atomically(tmp_path):
 
 def test_generated_code_passes_the_linter(tmp_path):
     from kvgen.codegen import write_source
-    from kvgen.families.mla_decode import MLADecodeDSMLASpec
+    from kvgen.families.gqa_decode import ROWS_INT4_GROUPS, GQADecodeSpec
 
-    # (and what a template generates before kvgen offers it: the MLA rows variant)
-    unlisted = [MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")]
+    # (and what a template generates before kvgen offers it: the GQA rows variant over int4)
+    unlisted = [GQADecodeSpec(128, 128, "bf16", "int4", g, "rows", "sm90", "gpu")
+                for g in ROWS_INT4_GROUPS]  # fmt: skip
     for spec in registry.variants("sm90", "gpu") + registry.variants("sm90", "interp") + unlisted:
         write_source(tmp_path / f"{spec.name}.py", render(spec))
     ruff = [sys.executable, "-m", "ruff"]

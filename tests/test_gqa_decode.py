@@ -12,6 +12,7 @@ from _hopper import MANY_LENGTHS, hopper, tuned_doc
 
 from kvgen import _dtypes, registry
 from kvgen.codegen import load
+from kvgen.families.gqa_decode import ROWS_OFFERED, GQADecodeSpec, available
 from kvgen.families.gqa_decode.verify import alloc_caches, make_caches
 from kvgen.formats.gqa_decode import gqa_decode
 from kvgen.ops import flash_attn_with_kvcache
@@ -175,14 +176,20 @@ def test_int4_group_follows_the_scale_shape(device):
 # --- the Hopper variant (rows: Gluon, integer / e4m3 MMAs; an sm90 GPU only)
 
 ARCH, TARGET = local_target()
-ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
+# (the int4 form is tested though kvgen does not list it yet: ROWS_OFFERED)
+ROWS_INT4 = [
+    GQADecodeSpec(128, 128, dtype, "int4", group, "rows", ARCH, TARGET)
+    for dtype, group in (("bf16", 32), ("fp16", 32), ("bf16", 64), ("bf16", 128))
+    if available("rows", ARCH, TARGET) and "int4" not in ROWS_OFFERED
+]
+ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode") + ROWS_INT4, "rows")
 
 
 def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0,
                layout="nhd", s_q=1):  # fmt: skip
     dtype = _dtypes.TORCH[spec.dtype]
-    return _case(device, spec.kv, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page, dtype=dtype,
-                 seed=seed, layout=layout, s_q=s_q)  # fmt: skip
+    return _case(device, spec.kv, spec.group, seqlens=seqlens, h_q=h_q, h_kv=h_kv, page=page,
+                 dtype=dtype, seed=seed, layout=layout, s_q=s_q)  # fmt: skip
 
 
 def _launch(spec, args, kwargs, causal=False, **meta):
@@ -214,12 +221,12 @@ def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, nu
 @pytest.mark.parametrize("h_q,h_kv,page,num_stages", [(8, 2, 16, 2), (16, 1, 32, 4), (3, 3, 1, 3)])
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_variant_reads_vllm_inline_rows(spec, h_q, h_kv, page, num_stages, device):
-    """vLLM's layout: 132-byte rows (the codes, then the scale in the pad bytes), the caches
-    and the scales passed as strided views into them; the rows start at multiples of 4 bytes
-    only, so K and V come by 4-byte cp.async pieces."""
+    """vLLM's layout: 132-byte rows (72 for int4: the codes, then the scales in the pad bytes),
+    the caches and the scales passed as strided views into them; the rows start at multiples of
+    4 (int4: 8) bytes only, so K and V come by 4-byte (8-byte) cp.async pieces."""
     args, kwargs, ref_in = _rows_case(spec, device, h_q=h_q, h_kv=h_kv, page=page,
                                       layout="inline")  # fmt: skip
-    assert args[1].stride(1) % 16 and args[1].stride(1) % 4 == 0  # (the rows are 4-aligned)
+    assert args[1].stride(2) % 16 and args[1].stride(2) % 4 == 0  # (the rows are 4-aligned)
     ref = gqa_decode(*ref_in)
     for split_factor in (1, 16):
         out, lse = _launch(spec, args, kwargs, num_stages=num_stages, split_factor=split_factor)
@@ -292,14 +299,16 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     ]
     dtype = _dtypes.TORCH[spec.dtype]
     for change, _, text in cases:
-        args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype, **change)
+        args, kwargs, ref_in = _case(device, spec.kv, spec.group, seqlens=(70, 0, 33),
+                                     dtype=dtype, **change)  # fmt: skip
         with pytest.raises(ValueError, match=text):
             _launch(spec, args, kwargs)
         _check(args, kwargs, ref_in)
-    # rows 130 bytes apart from a 2-byte offset: no cp.async piece fits
-    args, kwargs, ref_in = _case(device, spec.kv, seqlens=(70, 0, 33), dtype=dtype)
+    # rows 2 bytes longer than the codes, from a 2-byte offset: no cp.async piece fits
+    args, kwargs, ref_in = _case(device, spec.kv, spec.group, seqlens=(70, 0, 33), dtype=dtype)
     q, k, v = args
-    odd = [torch.zeros(*c.shape[:3], 130, dtype=c.dtype, device=c.device)[..., 2:] for c in (k, v)]
+    odd = [torch.zeros(*c.shape[:3], c.shape[3] + 2, dtype=c.dtype, device=c.device)[..., 2:]
+           for c in (k, v)]  # fmt: skip
     odd[0].copy_(k)
     odd[1].copy_(v)
     with pytest.raises(ValueError, match="4 bytes"):
@@ -315,7 +324,6 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
 
     import kvgen.ops._gqa_decode as op_module
     from kvgen import configs
-    from kvgen.families.gqa_decode import GQADecodeSpec
     from kvgen.ops._gqa_decode import choose
 
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))

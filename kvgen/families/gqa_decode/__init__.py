@@ -26,9 +26,40 @@ HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 VARIANTS = ("portable", "rows")
 TEMPLATES = {"portable": "gqa_decode.py.j2", "rows": "gqa_decode_rows.py.j2"}
 ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
-ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name)  # what its template generates
-# What kvgen lists, verifies and tunes (and so the op can take).
-ROWS_OFFERED = ROWS_FORMATS
+ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name, "int4")  # what its template generates
+ROWS_INT4_GROUPS = (32, 64, 128)  # the int4 scale groups it reads (a K operand a group)
+# What kvgen lists, verifies and tunes (and so the op can take): not int4 until its form has
+# passed its tests and the sanitizer on a GPU.
+ROWS_OFFERED = (formats.INT8.name, formats.FP8_E4M3.name)
+
+
+def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The int4 levels' two f16 terms (hi: the level rounded to f16, lo: what that leaves,
+    rounded to f16; hi + lo is the fp32 level to within 2^-22) as byte-permute tables: for
+    each term, its 8 magnitudes' low bytes (two words, magnitude m in byte m) and high bytes
+    (two words), as PTX hex literals."""
+    import struct
+
+    levels = formats.per_token_head.INT4_LEVELS
+
+    def f16_bits(x: float) -> int:
+        return struct.unpack("<H", struct.pack("<e", x))[0]
+
+    def fp32(x: float) -> float:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+
+    his = [f16_bits(fp32(v)) for v in levels]
+    hi_values = [struct.unpack("<e", struct.pack("<H", b))[0] for b in his]
+    los = [f16_bits(fp32(v) - h) for v, h in zip(levels, hi_values, strict=True)]
+
+    def words(bits: list[int]) -> tuple[str, ...]:
+        low = [b & 0xFF for b in bits]
+        high = [b >> 8 for b in bits]
+        pack = [sum(v << (8 * i) for i, v in enumerate(bytes_[j : j + 4]))
+                for bytes_ in (low, high) for j in (0, 4)]  # fmt: skip
+        return tuple(f"0x{w:08x}" for w in pack)
+
+    return words(his), words(los)
 
 
 def _size_ok(v: Any) -> bool:
@@ -80,6 +111,11 @@ class GQADecodeSpec(VariantSpec):
                     f"{self.family}: the rows variant reads {ROWS_FORMATS} caches of 128 / 128 "
                     f"heads; got kv={self.kv!r}, {self.head_size} / {self.head_size_v}"
                 )
+            if self.kv == "int4" and self.group not in ROWS_INT4_GROUPS:
+                raise SpecError(
+                    f"{self.family}: the rows variant reads int4 caches of {ROWS_INT4_GROUPS} "
+                    f"channels a scale; got group={self.group}"
+                )
         if (self.kv == "int4") != (self.group != 0):
             raise SpecError(
                 f"{self.family}: group (channels per scale) is one of {INT4_GROUPS} for an int4 "
@@ -110,6 +146,8 @@ class GQADecodeSpec(VariantSpec):
             out["levels"] = [repr(v) for v in formats.per_token_head.INT4_LEVELS]
         if self.variant == "rows":
             out["tile"] = 64  # keys a tile: the MMA's M
+            if self.kv == "int4":
+                out["hi_tables"], out["lo_tables"] = _int4_level_tables()
         return out
 
     def default_meta(self, rows: int) -> dict[str, int]:
