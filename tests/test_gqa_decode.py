@@ -366,7 +366,8 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
     assert pick(page=24) == "portable"
     assert pick(kv="fp8e4m3") == "portable"  # its rows variant is not tuned
-    assert pick(kv="fp8e5m2") == "portable" and pick(kv="int4") == "portable"  # none exists
+    assert pick(kv="fp8e5m2") == "portable"  # no rows form
+    assert pick(kv="int4") == "portable"  # not offered (ROWS_OFFERED), so never tuned
     assert pick(arch="sm80") == "portable"
     # a faster tuned portable entry wins
     entries[portable.name]["rows=4"]["time_us"] = 290.0

@@ -125,12 +125,13 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
+def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
     Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU), its spec exists and its launcher accepts the
     tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, rows at
-    multiples of 4 bytes, ...); the portable one otherwise."""
+    multiples of 4 bytes, ...; an int4 form also the scale caches ``ks``, ``vs``); the portable
+    one otherwise."""
     fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
     portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
@@ -142,7 +143,7 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows):
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
-        if module(spec).accepts(q, k, v, bt) is None
+        if module(spec).accepts(q, k, v, bt, *((ks, vs) if fmt == "int4" else ())) is None
     ]
     return tuned_winner(portable, others, rows)
 
@@ -156,7 +157,8 @@ def chosen_spec(q, k_cache, v_cache, *, cache_seqlens, block_table, k_scale_cach
     device, fmt, dv, group = checked
     arch, target = runtime.target_of(device)
     rows = q.shape[1] * q.shape[2] // k_cache.shape[2]
-    return choose(q, k_cache, v_cache, block_table, fmt, dv, group, arch, target, rows)
+    return choose(q, k_cache, v_cache, block_table, fmt, dv, group, arch, target, rows,
+                  k_scale_cache, v_scale_cache)  # fmt: skip
 
 
 def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
@@ -164,7 +166,7 @@ def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     batch, s_q, h_q, d = q.shape
     rows = s_q * h_q // k.shape[2]
     arch, target = runtime.target_of(device)
-    spec = choose(q, k, v, bt, fmt, dv, group, arch, target, rows)
+    spec = choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks, vs)
     meta_p = runtime.meta_params(spec, rows=rows)
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     launch = module(spec).launch
