@@ -62,14 +62,27 @@ def prmt(a, b, sel):
     return out
 
 
+def prmt_by(a, b, sel):
+    """``prmt`` with a selector per element (a register, not an immediate)."""
+    src = np.stack([(x >> U32(8 * i)) & U32(0xFF) for x in (a, b) for i in range(4)])
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> U32(4 * i)) & U32(0xF)
+        byte = np.take_along_axis(src, (nib & U32(7)).astype(np.intp)[None], axis=0)[0]
+        byte = np.where(nib & U32(8), np.where(byte & U32(0x80), U32(0xFF), U32(0)), byte)
+        out |= byte << U32(8 * i)
+    return out
+
+
 def _operands(line):
     """(instruction, destinations, sources) of one line; ``{a, b}`` is a register pair."""
     instr, _, rest = line.strip().rstrip(";").partition(" ")
     if rest.startswith("{"):  # mov.b32 {lo, hi}, word: a word split into its halves
         pair, _, src = rest.partition("},")
         return instr, [r.strip() for r in pair.strip("{ ").split(",")], [src.strip()]
-    if "{" in rest:  # mov.b32 word, {lo, hi} is not used by the dequantizers
-        raise AssertionError(f"operand form not modelled: {line}")
+    if "{" in rest:  # mov.b32 word, {lo, hi}: a word made of two halves
+        dest, _, pair = rest.partition(",")
+        return instr, [dest.strip()], [r.strip() for r in pair.strip(" {}").split(",")]
     ops = [o.strip() for o in rest.split(",")]
     return instr, ops[:1], ops[1:]
 
@@ -111,10 +124,15 @@ def _step(line, regs, inputs):
     if instr == "mov.b32" and len(dests) == 2:
         regs[dests[0]], regs[dests[1]] = args[0] & U32(0xFFFF), args[0] >> U32(16)
         return
+    if instr == "mov.b32" and len(args) == 2:  # {lo, hi}: the halves' low 16 bits
+        regs[dests[0]] = (args[0] & U32(0xFFFF)) | ((args[1] & U32(0xFFFF)) << U32(16))
+        return
     if instr == "mov.b32":
         r = args[0]
-    elif instr == "prmt.b32":
+    elif instr == "prmt.b32" and srcs[2][0].isdigit():
         r = prmt(args[0], args[1], int(srcs[2], 0))
+    elif instr == "prmt.b32":
+        r = prmt_by(args[0], args[1], args[2])
     elif instr == "shl.b32":
         r = args[0] << args[1]
     elif instr == "shr.b32":
@@ -135,6 +153,8 @@ def _step(line, regs, inputs):
         r = _pairwise(args, bf16_value, round_bf16, lambda a, b, c: a * b + c)
     elif instr == "sub.f16x2":
         r = _pairwise(args, f16_value, half_bits, lambda a, b: a - b)
+    elif instr == "mul.rn.f16x2":  # (a product of two fp16 values is exact in fp32)
+        r = _pairwise(args, f16_value, half_bits, lambda a, b: a * b)
     elif instr == "mul.rn.f32":
         r = (f32(args[0]) * f32(args[1])).view(U32)
     elif instr in ("cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32"):  # d = {cvt(a) high, cvt(b) low}

@@ -376,6 +376,29 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick() == "portable"
 
 
+def test_int4_rows_level_tables_hold_each_level_in_two_f16_terms():
+    """The byte-permute tables of the int4 rows form (``_int4_level_tables``): magnitude m's low
+    and high bytes, put back together, are the level rounded to f16 (hi) and what that leaves,
+    rounded to f16 (lo), and hi + lo is the fp32 level to within 2^-22."""
+    import numpy as np
+
+    from kvgen.families.gqa_decode import _int4_level_tables
+    from kvgen.formats.per_token_head import INT4_LEVELS
+
+    def f16s(tables):
+        low, high = (int(tables[0], 16) | int(tables[1], 16) << 32,
+                     int(tables[2], 16) | int(tables[3], 16) << 32)  # fmt: skip
+        bits = [(low >> 8 * m & 0xFF) | (high >> 8 * m & 0xFF) << 8 for m in range(8)]
+        return np.array(bits, dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    hi_tables, lo_tables = _int4_level_tables()
+    hi, lo = f16s(hi_tables), f16s(lo_tables)
+    levels = np.array(INT4_LEVELS, dtype=np.float32).astype(np.float64)
+    assert np.array_equal(hi, levels.astype(np.float16).astype(np.float64))
+    assert np.abs(hi + lo - levels).max() <= 2.0**-22
+    assert (np.abs(lo) <= np.abs(levels) * 2.0**-11).all()  # lo: the rounding's remainder
+
+
 def test_verify_takes_a_rows_variant_through_its_launcher(monkeypatch):
     """``kvgen verify`` runs a rows variant through its own launcher (the op takes it only
     where tuned). Gluon does not run on the CPU, so the portable launcher of the same format

@@ -2,7 +2,8 @@
 run. Here the PTX text of each generated GPU kernel's ``k_codes_f16`` (four codes to fp16) and
 ``v_words`` (a 32-bit word of four codes to the queries' dtype) is executed by the PTX model of
 tests/_ptx.py on every code in every byte position, and compared bit for bit with the format's
-values (NaN codes: NaN)."""
+values (NaN codes: NaN); and the rows variant's int4 lookups (``k_levels``, ``v_levels``) on
+every code in every nibble position against the levels' fp16 terms."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def test_the_model_rounds_and_permutes_as_ptx_does():
     # bf16x2 from two fp32: 1.0 high, -2.0 low
     f = {"$1": np.array([0x3F800000], dtype=U32), "$2": np.array([0xC0000000], dtype=U32)}
     assert run_ptx("cvt.rn.bf16x2.f32 d, $1, $2;", f)["d"][0] == 0x3F80C000
+    # a selector in a register (per element): byte 4, the sign of byte 4 (0xF0: all ones),
+    # byte 0, the sign of byte 3 (0x04: all zeros)
+    sel = {"$1": w, "$2": np.array([0xB0C4], dtype=U32), "$3": np.array([0xF0], dtype=U32)}
+    assert run_ptx("prmt.b32 d, $1, $3, $2;", sel)["d"][0] == 0x0001FFF0
+    halves = {"$1": np.array([0x1234], dtype=U32), "$2": np.array([0xBEEF], dtype=U32)}
+    assert run_ptx("mov.b32 d, {$1, $2};", halves)["d"][0] == 0xBEEF1234
+    # fp16: 1.5 * 2 = 3 (low half), 0.5 * -0.5 = -0.25 (high half)
+    mul = {"$1": np.array([0x38003E00], U32), "$2": np.array([0xB8004000], U32)}
+    assert run_ptx("mul.rn.f16x2 d, $1, $2;", mul)["d"][0] == 0xB4004200
 
 
 def test_an_input_read_after_an_output_is_written_is_refused():
@@ -80,3 +90,61 @@ def test_an_input_read_after_an_output_is_written_is_refused():
     w = np.array([0x04030201], dtype=U32)
     with pytest.raises(AssertionError, match="after"):
         run_ptx("prmt.b32 $0, $2, 0, 0x1404;\nprmt.b32 $1, $2, 0, 0x3424;", {"$2": w})
+
+
+# --- the rows variant's int4 form (byte-permute lookups of the levels)
+
+
+def _int4_levels(nibbles: np.ndarray, terms: np.ndarray) -> np.ndarray:
+    """fp16 bits of each sign-magnitude code's term (hi or lo) of its level."""
+    magnitude = terms[nibbles & 7]
+    return np.where(nibbles & 8, -magnitude, magnitude).astype(np.float16).view(np.uint16)
+
+
+def _level_terms():
+    from kvgen.formats.per_token_head import INT4_LEVELS
+
+    levels = np.array(INT4_LEVELS, dtype=np.float32)
+    hi = levels.astype(np.float16)
+    return hi, (levels - hi.astype(np.float32)).astype(np.float16)
+
+
+def _nibble_words(rng) -> np.ndarray:
+    """Words holding every code in every nibble position, and random words."""
+    every = np.arange(16, dtype=np.uint64)
+    spread = [sum(((every + k + j) % 16) << (4 * j) for j in range(8)) for k in range(16)]
+    rand = rng.integers(0, 2**32, size=4096, dtype=np.uint64)
+    return np.concatenate([*spread, rand]).astype(U32)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_rows_k_levels_are_the_levels_two_f16_terms(group):
+    """``k_levels``: each of a word's 8 codes as its level's hi (the level rounded to fp16) and
+    lo (what that leaves, rounded to fp16), the sign on both; bit for bit."""
+    w = _nibble_words(np.random.default_rng(2))
+    spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
+    regs = run_ptx(asm_of(spec, "k_levels"), {"$16": w})
+    hi, lo = _level_terms()
+    for n in range(8):
+        nib = (w >> U32(4 * n)) & U32(15)
+        assert np.array_equal(regs[f"${n}"], _int4_levels(nib, hi).astype(U32)), n
+        assert np.array_equal(regs[f"${8 + n}"], _int4_levels(nib, lo).astype(U32)), n
+
+
+def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
+    """``v_levels``: the 4 codes of two keys' half-words as each channel's pair (key 2i, key
+    2i + 1) of fp16 level (hi) times that key's fp16 scale, rounded once; bit for bit."""
+    rng = np.random.default_rng(3)
+    w = _nibble_words(rng)
+    h0, h1 = w & U32(0xFFFF), w >> U32(16)
+    scales = rng.uniform(-12, 12, size=(2, w.size))
+    s0, s1 = (np.exp2(x).astype(np.float16).view(np.uint16).astype(U32) for x in scales)
+    spec = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
+    regs = run_ptx(asm_of(spec, "v_levels"), {"$8": h0, "$9": h1, "$10": s0, "$11": s1})
+    hi, _ = _level_terms()
+    for j in range(4):
+        for e, (h, s) in enumerate(((h0, s0), (h1, s1))):
+            level = torch.from_numpy(_int4_levels((h >> U32(4 * j)) & U32(15), hi).view(np.float16))
+            scale = torch.from_numpy(s.astype(np.uint16).view(np.float16))
+            want = (level * scale).numpy().view(np.uint16).astype(U32)  # (one fp16 rounding)
+            assert np.array_equal(regs[f"${2 * j + e}"], want), (j, e)
