@@ -1,7 +1,8 @@
 """The wgmma decodes' dequantizers are PTX (inline asm, integer operations and multiplies, no
-conversion instruction), which Triton's CPU interpreter cannot run. Here the PTX text of each
-generated kernel is executed by a small interpreter of the instructions it uses, on every code
-of each format, and compared bit for bit with the format's reference dequantization."""
+conversion instruction), and so are the MLA rows variant's code conversions (cvt of e4m3
+pairs), which Triton's CPU interpreter cannot run. Here the PTX text of each generated kernel
+is executed by a small interpreter of the instructions it uses, on every code of each format,
+and compared bit for bit with the format's reference dequantization."""
 
 import numpy as np
 import pytest
@@ -111,3 +112,37 @@ def test_the_interpreter_models_each_instruction():
     tiny = np.array([0x0001], U32)  # bf16's least subnormal, 2^-133, times 2^120 = 2^-13
     regs = run_ptx("mul.rn.bf16x2 d, $0, $1;", {"$0": tiny, "$1": np.array([0x7B80], U32)})
     assert bf16_value(regs["d"] & U32(0xFFFF))[0] == 2.0**-13
+
+
+# --- the rows variant (keys as the MMAs' rows): e4m3 codes to fp16 in the A registers
+
+
+def _f16_nan_aware(got_bits: np.ndarray, codes: np.ndarray):
+    """fp16 bits against each e4m3fn code's value (exact in fp16; NaN codes NaN)."""
+    want = torch.from_numpy(codes.astype(np.uint8)).view(torch.float8_e4m3fn).float()
+    nan = torch.isnan(want).numpy()
+    assert np.array_equal(got_bits[~nan], bits(want, torch.float16)[~nan])
+    got = (got_bits & U32(0xFFFF)).astype(np.uint16).view(np.float16)
+    assert np.isnan(got[nan]).all()
+
+
+def test_rows_e4m3_quads_are_the_codes_values():
+    """``e4m3_quads``: a word's four codes as fp16, byte q to output q; every code in every
+    byte position."""
+    asm = asm_of(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"), "e4m3_quads")
+    codes = all_bytes_in_every_position(np.random.default_rng(4))
+    regs = run_ptx(asm, {"$4": words(codes)})
+    _f16_nan_aware(np.stack([regs[f"${q}"] for q in range(4)], 1), codes)
+
+
+def test_rows_e4m3_key_pairs_pair_two_keys_codes():
+    """``e4m3_key_pairs``: byte q of w0 and of w1 (one channel of two keys) as fp16, in the
+    order (q0 w0, q0 w1, q1 w0, q1 w1, ...) that puts a channel's two keys in one register."""
+    asm = asm_of(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"), "e4m3_key_pairs")
+    rng = np.random.default_rng(5)
+    c0 = all_bytes_in_every_position(rng)
+    c1 = np.roll(c0, 7, axis=0)
+    regs = run_ptx(asm, {"$8": words(c0), "$9": words(c1)})
+    for q in range(4):
+        _f16_nan_aware(regs[f"${2 * q}"], c0[:, q])
+        _f16_nan_aware(regs[f"${2 * q + 1}"], c1[:, q])
