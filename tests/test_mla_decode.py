@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _hopper import MANY_LENGTHS, hopper
+from _hopper import BAD_TABLES, MANY_LENGTHS, hopper, spoil_table
 
 from kvgen import registry
 from kvgen.codegen import load
@@ -93,7 +93,7 @@ def test_hopper_barrier_phases_with_the_fewest_buffers(spec, page, policy, devic
            fewest_buffers=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("bad", BAD_TABLES)
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("spec", VARIANTS, ids=_kid)
@@ -103,14 +103,10 @@ def test_bad_block_table_gives_nan_for_that_sequence_only(spec, policy, page, ba
     lse are NaN, the other sequences exact."""
     q, k_cache, table, sl = _problem([70, 130, 33], page, 16, 1, spec.head_dim,
                                      DTYPES[spec.dtype], device)  # fmt: skip
-    good_table, good_sl = table.clone(), sl.clone()
-    if bad == "page_past_end":
-        table[1, 1] = k_cache.shape[0] + 99
-    elif bad == "negative_page":
-        table[1, 0] = -1
-    else:
-        sl[1] = table.shape[1] * page + 5
+    good_table, good_sl = table, sl.clone()
+    if bad == "longer_than_table":
         good_sl[1] = 0
+    table, sl = spoil_table(table, sl, bad, k_cache.shape[0], page)
     meta, splits = schedule(sl, 4, policy)
     out, lse = load(spec).launch(q, k_cache, table, sl, meta, splits, spec.head_dim**-0.5, False,
                                  **spec.default_meta(rows=16))  # fmt: skip

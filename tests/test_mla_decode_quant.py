@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from _hopper import MANY_LENGTHS, hopper, tuned_doc
+from _hopper import BAD_TABLES, MANY_LENGTHS, hopper, spoil_table, tuned_doc
 
 from kvgen.formats import mla_cache
 from kvgen.formats.mla_decode import mla_decode
@@ -319,7 +319,7 @@ def _quantized_case(spec, page, h_q, h_kv, s_q, extra, seqlens, device, **meta_k
     _assert_matches(out, lse, want, want_lse)
 
 
-@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("bad", BAD_TABLES)
 @pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
 def test_a_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
     """A page outside the cache, or a length past what the table holds, is never read: that
@@ -340,14 +340,10 @@ def test_a_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
     q = torch.randn(3, 1, 16, 576, generator=gen).to(torch.bfloat16).to(device)
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
     table = table.to(device)
-    good_table, good_sl = table.clone(), sl.clone()
-    if bad == "page_past_end":
-        table[1, 1] = blocks + 99
-    elif bad == "negative_page":
-        table[1, 0] = -1
-    else:
-        sl[1] = table.shape[1] * page + 5
+    good_table, good_sl = table, sl.clone()
+    if bad == "longer_than_table":
         good_sl[1] = 0
+    table, sl = spoil_table(table, sl, bad, blocks, page)
     meta, splits = get_mla_metadata(sl, 16, 1)
     mp = spec.default_meta(rows=16) | ({"k_scale": k_scale} if fmt == "fp8" else {})
     out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
@@ -459,20 +455,14 @@ def test_rows_variant_over_page_edges_heads_and_splits(spec, h_q, num_stages, de
         assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
 
 
-@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("bad", BAD_TABLES)
 @pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
     """A page outside the cache, or a length past what the table holds, is never read (TMA
     boxes of page 0 stand in): that sequence's out and lse are NaN, the others exact as before."""
     q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=3)
     good, good_lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
-    table, sl = table.clone(), sl.clone()
-    if bad == "page_past_end":
-        table[1, 1] = cache.shape[0] + 99
-    elif bad == "negative_page":
-        table[1, 0] = -1
-    else:
-        sl[1] = table.shape[1] * 64 + 5
+    table, sl = spoil_table(table, sl, bad, cache.shape[0], 64)
     out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
     assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
     assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
