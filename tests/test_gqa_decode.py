@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from _hopper import MANY_LENGTHS, hopper, tuned_doc
+from _hopper import BAD_TABLES, MANY_LENGTHS, hopper, spoil_table, tuned_doc
 
 from kvgen import _dtypes, registry
 from kvgen.codegen import load
@@ -101,19 +101,13 @@ def test_lse_is_optional(device):
     assert isinstance(out, torch.Tensor) and out.shape == (4, 1, 4, 128)
 
 
-@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("bad", BAD_TABLES)
 def test_bad_block_table_gives_nan_for_that_sequence_only(device, bad):
     """A page outside the cache, or a length past the table, is never read: that sequence's
     out and lse are NaN, the others exact."""
     args, kwargs, ref_in = _case(device, "int4", 32, seqlens=(40, 33, 50))
-    table, sl = kwargs["block_table"].clone(), kwargs["cache_seqlens"].clone()
-    num_blocks = args[1].shape[0]
-    if bad == "page_past_end":
-        table[1, 1] = num_blocks + 99
-    elif bad == "negative_page":
-        table[1, 0] = -1
-    else:
-        sl[1] = table.shape[1] * args[1].shape[1] + 5
+    table, sl = spoil_table(kwargs["block_table"], kwargs["cache_seqlens"], bad,
+                            args[1].shape[0], args[1].shape[1])  # fmt: skip
     kwargs |= dict(block_table=table, cache_seqlens=sl)
     out, lse = flash_attn_with_kvcache(*args, **kwargs, return_softmax_lse=True)
     assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
@@ -253,18 +247,13 @@ def test_rows_variant_several_queries_a_sequence(spec, s_q, h_q, h_kv, page, cau
         assert (out.cpu()[ref[1].permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
 
 
-@pytest.mark.parametrize("bad", ["page_past_end", "negative_page", "longer_than_table"])
+@pytest.mark.parametrize("bad", BAD_TABLES)
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
     args, kwargs, _ = _rows_case(spec, device, seqlens=(200, 130, 70))
     good, good_lse = _launch(spec, args, kwargs)
-    table, sl = kwargs["block_table"].clone(), kwargs["cache_seqlens"].clone()
-    if bad == "page_past_end":
-        table[1, 1] = args[1].shape[0] + 99
-    elif bad == "negative_page":
-        table[1, 0] = -1
-    else:
-        sl[1] = table.shape[1] * args[1].shape[1] + 5
+    table, sl = spoil_table(kwargs["block_table"], kwargs["cache_seqlens"], bad,
+                            args[1].shape[0], args[1].shape[1])  # fmt: skip
     out, lse = _launch(spec, args, kwargs | dict(block_table=table, cache_seqlens=sl))
     assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
     assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
@@ -374,6 +363,24 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick() == "portable"
+
+
+def test_int4_rows_accepts_refuses_what_its_kernel_cannot_read():
+    """The int4 rows form's ``accepts`` (host code: runs without a GPU): packed rows of 64 bytes
+    at multiples of 4 bytes, float16 scale caches of 4 scales a row with a unit last stride."""
+    module = load(GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu"))
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16)
+    codes = torch.zeros(4, 16, 2, 64, dtype=torch.uint8)
+    scales = torch.zeros(4, 16, 2, 4, dtype=torch.float16)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    assert module.accepts(q, codes, codes, table, scales, scales) is None
+    odd = torch.zeros(4, 16, 2, 66, dtype=torch.uint8)[..., 2:]  # rows 2 bytes off
+    assert "multiples of 4 bytes" in module.accepts(q, codes, odd, table, scales, scales)
+    assert "uint8 [..., 64]" in module.accepts(q, codes[..., :32], codes, table, scales, scales)
+    strided = torch.zeros(4, 16, 2, 8, dtype=torch.float16)[..., ::2]
+    assert "unit last stride" in module.accepts(q, codes, codes, table, scales, strided)
+    assert "float16" in module.accepts(q, codes, codes, table, scales.float(), scales)
+    assert "float16 [..., 4]" in module.accepts(q, codes, codes, table, scales[..., :2], scales)
 
 
 def test_int4_rows_level_tables_hold_each_level_in_two_f16_terms():

@@ -130,8 +130,8 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
     Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
     candidate against the reference on the GPU), its spec exists and its launcher accepts the
     tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, rows at
-    multiples of 4 bytes, ...; an int4 form also the scale caches ``ks``, ``vs``); the portable
-    one otherwise."""
+    multiples of 4 bytes, an int4 form's scale caches ``ks``, ``vs``, ...); the portable one
+    otherwise."""
     fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
     portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
@@ -143,7 +143,7 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
-        if module(spec).accepts(q, k, v, bt, *((ks, vs) if fmt == "int4" else ())) is None
+        if module(spec).accepts(q, k, v, bt, ks, vs) is None
     ]
     return tuned_winner(portable, others, rows)
 
