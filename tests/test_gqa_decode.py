@@ -12,7 +12,7 @@ from _hopper import BAD_TABLES, MANY_LENGTHS, hopper, spoil_table, tuned_doc
 
 from kvgen import _dtypes, registry
 from kvgen.codegen import load
-from kvgen.families.gqa_decode import ROWS_OFFERED, GQADecodeSpec, available
+from kvgen.families.gqa_decode import GQADecodeSpec
 from kvgen.families.gqa_decode.verify import alloc_caches, make_caches
 from kvgen.formats.gqa_decode import gqa_decode
 from kvgen.ops import flash_attn_with_kvcache
@@ -170,13 +170,7 @@ def test_int4_group_follows_the_scale_shape(device):
 # --- the Hopper variant (rows: Gluon, integer / e4m3 MMAs; an sm90 GPU only)
 
 ARCH, TARGET = local_target()
-# (the int4 form is tested though kvgen does not list it yet: ROWS_OFFERED)
-ROWS_INT4 = [
-    GQADecodeSpec(128, 128, dtype, "int4", group, "rows", ARCH, TARGET)
-    for dtype, group in (("bf16", 32), ("fp16", 32), ("bf16", 64), ("bf16", 128))
-    if available("rows", ARCH, TARGET) and "int4" not in ROWS_OFFERED
-]
-ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode") + ROWS_INT4, "rows")
+ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
 
 
 def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0,
@@ -215,12 +209,22 @@ def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, nu
 @pytest.mark.parametrize("h_q,h_kv,page,num_stages", [(8, 2, 16, 2), (16, 1, 32, 4), (3, 3, 1, 3)])
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_variant_reads_vllm_inline_rows(spec, h_q, h_kv, page, num_stages, device):
-    """vLLM's layout: 132-byte rows (72 for int4: the codes, then the scales in the pad bytes),
-    the caches and the scales passed as strided views into them; the rows start at multiples of
-    4 (int4: 8) bytes only, so K and V come by 4-byte (8-byte) cp.async pieces."""
+    """vLLM's layout: 132-byte rows (int4: 64 code bytes, then a float16 scale a group: 72, 68
+    and 66 bytes at groups 32, 64 and 128), the caches and the scales passed as strided views
+    into them; rows at multiples of 4 bytes only come by 4-byte cp.async pieces, and rows that
+    are not at multiples of 4 (int4 at group 128) are refused by ``accepts`` and the launcher
+    before anything runs (the op reads them with the portable kernel)."""
     args, kwargs, ref_in = _rows_case(spec, device, h_q=h_q, h_kv=h_kv, page=page,
                                       layout="inline")  # fmt: skip
-    assert args[1].stride(2) % 16 and args[1].stride(2) % 4 == 0  # (the rows are 4-aligned)
+    row = args[1].stride(2)
+    assert row % 16  # (vLLM's rows are never 16-aligned)
+    if row % 4:
+        ks, vs = kwargs["k_scale_cache"], kwargs["v_scale_cache"]
+        why = load(spec).accepts(*args, kwargs["block_table"], ks, vs)
+        assert why is not None and "multiples of 4 bytes" in why
+        with pytest.raises(ValueError, match="multiples of 4 bytes"):
+            _launch(spec, args, kwargs, num_stages=num_stages)
+        return
     ref = gqa_decode(*ref_in)
     for split_factor in (1, 16):
         out, lse = _launch(spec, args, kwargs, num_stages=num_stages, split_factor=split_factor)
@@ -319,13 +323,15 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
     configs.reset()
 
-    def pick(kv="int8", s_q=1, h_q=32, h_kv=8, page=16, d=128, layout="nhd", arch="sm90"):
-        k, v, _, _ = alloc_caches(kv, 32 if kv == "int4" else 0, (4, page, h_kv), d, d,
-                                  torch.bfloat16, "cpu", layout)  # fmt: skip
+    def pick(kv="int8", s_q=1, h_q=32, h_kv=8, page=16, d=128, layout="nhd", arch="sm90",
+             group=None):  # fmt: skip
+        group = (32 if kv == "int4" else 0) if group is None else group
+        k, v, ks, vs = alloc_caches(kv, group, (4, page, h_kv), d, d, torch.bfloat16, "cpu",
+                                    layout)  # fmt: skip
         q = torch.empty(2, s_q, h_q, d, dtype=torch.bfloat16)
         bt = torch.zeros(2, 4, dtype=torch.int32)
-        group = 32 if kv == "int4" else 0
-        return choose(q, k, v, bt, kv, d, group, arch, "gpu", s_q * h_q // h_kv).variant
+        rows = s_q * h_q // h_kv
+        return choose(q, k, v, bt, kv, d, group, arch, "gpu", rows, ks, vs).variant
 
     loaded = []
     real_module = op_module.module
@@ -356,7 +362,16 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(page=24) == "portable"
     assert pick(kv="fp8e4m3") == "portable"  # its rows variant is not tuned
     assert pick(kv="fp8e5m2") == "portable"  # no rows form
-    assert pick(kv="int4") == "portable"  # not offered (ROWS_OFFERED), so never tuned
+    assert pick(kv="int4") == "portable"  # its rows variant is not tuned
+    for group in (32, 128):
+        spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
+        entries[spec.name] = {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}
+    path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
+    configs.reset()
+    assert pick(kv="int4") == "rows"  # tuned: the untuned portable counts as slower
+    assert pick(kv="int4", layout="inline") == "rows"  # 72-byte rows: 4-byte pieces
+    assert pick(kv="int4", group=128) == "rows"
+    assert pick(kv="int4", group=128, layout="inline") == "portable"  # 66-byte rows: refused
     assert pick(arch="sm80") == "portable"
     # a faster tuned portable entry wins
     entries[portable.name]["rows=4"]["time_us"] = 290.0

@@ -8,6 +8,7 @@ from kvgen.families.gqa_decode import (
     HEAD_SIZES,
     INT4_GROUPS,
     KV_FORMATS,
+    ROWS_INT4_GROUPS,
     ROWS_OFFERED,
     GQADecodeSpec,
     available,
@@ -47,15 +48,16 @@ class GQADecode(Family):
         ] + self._rows(arch, target, ("bf16", "fp16"))
 
     @staticmethod
-    def _rows(arch: str, target: str, dtypes) -> list[VariantSpec]:
+    def _rows(arch: str, target: str, dtypes, int4_groups=ROWS_INT4_GROUPS) -> list[VariantSpec]:
         """The Hopper (rows) variants kvgen offers where they exist: 128 / 128 caches of the
-        ROWS_OFFERED formats."""
+        ROWS_OFFERED formats (int4 at ``int4_groups`` channels a scale)."""
         if not available("rows", arch, target):
             return []
         return [
-            GQADecodeSpec(128, 128, dt, kv, 0, "rows", arch, target)
+            GQADecodeSpec(128, 128, dt, kv, g, "rows", arch, target)
             for dt in dtypes
             for kv in ROWS_OFFERED
+            for g in (int4_groups if kv == "int4" else (0,))
         ]
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
@@ -65,7 +67,7 @@ class GQADecode(Family):
         return [
             GQADecodeSpec(128, 128, "bf16", kv, 32 if kv == "int4" else 0, "portable", arch, "gpu")
             for kv in KV_FORMATS
-        ] + self._rows(arch, "gpu", ("bf16", "fp16"))
+        ] + self._rows(arch, "gpu", ("bf16", "fp16"), int4_groups=(32,))
 
     bench_ops = ("gqa_decode",)
 
