@@ -133,14 +133,15 @@ def test_int4_rows_k_levels_are_the_levels_two_f16_terms(group):
 
 def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
     """``v_levels``: the 4 codes of two keys' half-words as each channel's pair (key 2i, key
-    2i + 1) of fp16 level (hi) times that key's fp16 scale, rounded once; bit for bit."""
+    2i + 1) of fp16 level (hi) times that key's fp16 scale (the two scales one word, key 2i's
+    in its low half), rounded once; bit for bit."""
     rng = np.random.default_rng(3)
     w = _nibble_words(rng)
     h0, h1 = w & U32(0xFFFF), w >> U32(16)
     scales = rng.uniform(-12, 12, size=(2, w.size))
     s0, s1 = (np.exp2(x).astype(np.float16).view(np.uint16).astype(U32) for x in scales)
     spec = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
-    regs = run_ptx(asm_of(spec, "v_levels"), {"$8": h0, "$9": h1, "$10": s0, "$11": s1})
+    regs = run_ptx(asm_of(spec, "v_levels"), {"$8": h0, "$9": h1, "$10": s0 | (s1 << U32(16))})
     hi, _ = _level_terms()
     for j in range(4):
         for e, (h, s) in enumerate(((h0, s0), (h1, s1))):

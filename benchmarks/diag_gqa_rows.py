@@ -1,0 +1,154 @@
+"""What bounds the GQA rows kernel over an int4 cache: time it with one stage of its tile left
+out (METHOD: time variants that leave a stage out, take differences).
+
+Each experiment patches the generated module's text (the result is wrong where a stage is left
+out: only the time is read) and is timed on the bench's two batches (128 x 4096 and 8 x 32768
+keys, 8 KV heads, pages of 16) beside the unpatched kernel and the int8 rows kernel, in the
+same run, at the variants' tuned configs:
+
+  base      the kernel as generated
+  novscale  V's scales are 1 (no page lookups, loads or shared-memory exchange)
+  nokscale  K's scales are 1 (no loads)
+  nolo      S from the levels' hi terms alone (no lo conversion, half the S MMAs)
+  nokdeq    K's words converted to f16 as integers (no byte-permute lookups)
+  novdeq    V's half-words and scale words summed as integers, to f16 (no lookups)
+and any "+"-joined set of them (e.g. nokdeq+novdeq).
+
+    python -P benchmarks/diag_gqa_rows.py --group 32 --rows 4
+
+With --launches N each kernel is launched N times, untimed, for a profiler:
+
+    ncu --kernel-name split_kernel --launch-skip 2 --launch-count 1 --section WarpStateStats \\
+        --section SchedulerStats --section InstructionStats python -P \\
+        benchmarks/diag_gqa_rows.py --experiments base --launches 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvgen import configs, runtime
+from kvgen.bench import gqa_decode as bench
+from kvgen.bench import harness
+from kvgen.codegen import load
+from kvgen.codegen.render import module_path
+from kvgen.families.gqa_decode import GQADecodeSpec
+
+_NG = r"(\d+)"
+# (regular expression, replacement): each must match at least once
+PATCHES = {
+    "novscale": [
+        (r"        vs_s\.index\(i % 2\)\.store\(.*\)\n", ""),
+        (
+            r"        sw = vs_s\.index\(i % 2\)\.permute\(\(1, 0\)\)\.load\((.*)\)\n",
+            r"        sw = gl.full([TILE // 2, NG], 0x3C003C00, gl.int32, \1)\n",
+        ),
+    ],
+    "nokscale": [
+        (
+            rf"        k_sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
+            r"\.to\(gl\.float32\)\n",
+            r"        k_sc\1 = gl.where(ok, 1.0, 0.0)\n",
+        )
+    ],
+    "nolo": [
+        (r"        lo = gl\.convert_layout\(k_operand\(l0, .*\n", ""),
+        (r"        s = warpgroup_mma\(lo, .*\n", ""),
+    ],
+    "nokdeq": [
+        (
+            rf"        h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7 = "
+            rf"k_levels\(w{_NG}\)\n",
+            r"        kx = w\1.to(gl.float16)\n"
+            r"        h0, h1, h2, h3, h4, h5, h6, h7 = kx, kx, kx, kx, kx, kx, kx, kx\n"
+            r"        l0, l1, l2, l3, l4, l5, l6, l7 = kx, kx, kx, kx, kx, kx, kx, kx\n",
+        )
+    ],
+    "novdeq": [
+        (
+            r"        c0e, c0o, c1e, c1o, c2e, c2o, c3e, c3o = v_levels\(hv0, hv1, "
+            r"sw\[:, :, None\]\)\n",
+            r"        vx = (hv0.to(gl.int32) + hv1.to(gl.int32) + sw[:, :, None]).to(gl.float16)\n"
+            r"        c0e, c0o, c1e, c1o, c2e, c2o, c3e, c3o = vx, vx, vx, vx, vx, vx, vx, vx\n",
+        )
+    ],
+}
+
+
+def patched(spec, names):
+    """The generated module of ``spec`` with the text of experiments ``names`` replaced."""
+    load(spec)  # (renders it)
+    text = module_path(spec).read_text()
+    for name in names:
+        for pattern, new in PATCHES[name]:
+            text, n = re.subn(pattern, new, text)
+            if n == 0:
+                raise SystemExit(f"{name}: the patch's text is not in {spec.name}")
+    stem = f"{spec.name.replace('-', '_')}_{'_'.join(names)}"
+    path = Path(tempfile.mkdtemp()) / f"{stem}.py"
+    path.write_text(text)
+    mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    sys.modules[path.stem] = mod
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--group", type=int, default=32, help="int4 channels a scale")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--rows", default="4", help="query heads a KV head, comma-separated")
+    ap.add_argument("--experiments", default="base,novscale,nokscale,nolo,nokdeq,novdeq")
+    ap.add_argument("--launches", type=int, default=0, help="launch N times, untimed")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    arch, target = runtime.target_of(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    spec = GQADecodeSpec(128, 128, args.dtype, "int4", args.group, "rows", arch, target)
+    int8 = GQADecodeSpec(128, 128, args.dtype, "int8", 0, "rows", arch, target)
+    copy_bw = math.nan if args.launches else harness.copy_bandwidth(device)
+    print(f"{spec.name}" + ("" if args.launches else f"; copy {copy_bw / 1e9:.0f} GB/s"))
+    kernels = {}
+    for name in args.experiments.split(","):
+        parts = [p for p in name.split("+") if p != "base"]
+        kernels[name] = (spec, patched(spec, parts) if parts else load(spec))
+    if not args.launches:
+        kernels["int8 base"] = (int8, load(int8))
+    for rows in (int(r) for r in args.rows.split(",")):
+        h_q = rows * bench.H_KV
+        for label, batch, keys in bench.SHAPES:
+            problems = {}
+            for name, (s, mod) in kernels.items():
+                if s.kv not in problems:
+                    problems[s.kv] = bench.problem(s.kv, s.group, [keys] * batch, h_q, device,
+                                                   dtype=dtype)  # fmt: skip
+                q, k, v, ks, vs, table, sl = problems[s.kv]
+                meta = configs.meta_params(s, rows=rows)
+
+                def step(_, mod=mod, call=(q, k, v, ks, vs, table, sl), meta=meta):
+                    mod.launch(*call, 128**-0.5, False, num_sms=sms, **meta)
+
+                if args.launches:
+                    for i in range(args.launches):
+                        step(i)
+                    torch.cuda.synchronize()
+                    print(f"rows={rows} {label} {name}: {args.launches} launches", flush=True)
+                    continue
+                us = harness.graph_time_us(step, 1, calls=8, replays=5, trials=5)
+                print(f"rows={rows} {label:>10} {name:<22} {us:8.1f} us", flush=True)
+            del problems
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
