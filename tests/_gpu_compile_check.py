@@ -286,11 +286,13 @@ for gs, group, bufs, row_align in (
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2, 16),
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 8, 2, 4),
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 16, 3, 4),
-    # int4 (not yet offered): each scale group the kernel reads, vLLM's 72-byte rows (8-aligned)
+    # int4: each scale group the kernel reads, vLLM's 72-byte rows (group 32: 8-aligned) and
+    # 68-byte rows (group 64: 4-aligned)
     (GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu"), 4, 2, 16),
     (GQADecodeSpec(128, 128, "fp16", "int4", 64, "rows", "sm90", "gpu"), 8, 3, 16),
     (GQADecodeSpec(128, 128, "bf16", "int4", 128, "rows", "sm90", "gpu"), 13, 2, 16),
     (GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu"), 16, 4, 8),
+    (GQADecodeSpec(128, 128, "bf16", "int4", 64, "rows", "sm90", "gpu"), 8, 2, 4),
 ):
     types = {"q_ptr": PTR[gs.dtype], "k_ptr": GQA_CACHE[gs.kv], "v_ptr": GQA_CACHE[gs.kv]}
     scale = "*fp16" if gs.kv == "int4" else "*fp32"
