@@ -26,12 +26,9 @@ With --launches N each kernel is launched N times, untimed, for a profiler:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import re
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -39,7 +36,7 @@ from kvgen import configs, runtime
 from kvgen.bench import gqa_decode as bench
 from kvgen.bench import harness
 from kvgen.codegen import load
-from kvgen.codegen.render import module_path
+from kvgen.codegen.render import load_text, render
 from kvgen.families.gqa_decode import GQADecodeSpec
 
 _NG = r"(\d+)"
@@ -85,21 +82,13 @@ PATCHES = {
 
 def patched(spec, names):
     """The generated module of ``spec`` with the text of experiments ``names`` replaced."""
-    load(spec)  # (renders it)
-    text = module_path(spec).read_text()
+    text = render(spec)
     for name in names:
         for pattern, new in PATCHES[name]:
             text, n = re.subn(pattern, new, text)
             if n == 0:
                 raise SystemExit(f"{name}: the patch's text is not in {spec.name}")
-    stem = f"{spec.name.replace('-', '_')}_{'_'.join(names)}"
-    path = Path(tempfile.mkdtemp()) / f"{stem}.py"
-    path.write_text(text)
-    mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    sys.modules[path.stem] = mod
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return load_text(spec, text, "_".join(names))
 
 
 def main(argv=None) -> int:

@@ -25,18 +25,15 @@ With --launches N the kernels are launched N times each, untimed, for a profiler
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 from kvgen import runtime
 from kvgen.bench import decode, harness
 from kvgen.codegen import load
-from kvgen.codegen.render import module_path
+from kvgen.codegen.render import load_text, render
 from kvgen.families import mla_decode as md
 from kvgen.ops import get_mla_metadata
 
@@ -59,8 +56,9 @@ PATCHES = {
         (
             "                    raw_copy(raw, jc % NUM_RAW, k_ptr, pages, cstart, chi, "
             "page_size,\n"
-            "                             stride_k_block, stride_k_row, BLOCK_N, TILE_IN_PAGE)"
-            "  # fmt: skip\n",
+            "                             table_width, num_blocks, stride_k_block, stride_k_row, "
+            "BLOCK_N,\n"
+            "                             TILE_IN_PAGE)  # fmt: skip\n",
             "",
         ),
     ],
@@ -73,13 +71,13 @@ PATCHES = {
     ],
     "nopage": [
         (
-            "        page = gl.load(pages + start // page_size, mask=start < hi, other=0)\n"
-            "        return k_ptr + page.to(gl.int64)",
-            "        page = start // page_size\n        return k_ptr + page.to(gl.int64)",
+            "    page = gl.load(pages + tp, mask=(start < hi) & (tp < table_width), other=0)\n",
+            "    page = tp\n",
         ),
         (
-            "                    page = gl.load(pages + cstart // page_size)\n",
-            "                    page = cstart // page_size\n",
+            "        key_pages = gl.load(pages + kp, mask=(t < hi) & (kp < table_width), "
+            "other=0)\n",
+            "        key_pages = kp\n",
         ),
     ],
     "nowaitk": [
@@ -94,19 +92,12 @@ PATCHES = {
 
 def patched(spec, name):
     """The generated module of ``spec`` with the text of experiment ``name`` replaced."""
-    load(spec)  # (renders it)
-    text = module_path(spec).read_text()
+    text = render(spec)
     for old, new in PATCHES[name]:
         if text.count(old) != 1:
             raise SystemExit(f"{name}: the patch's text is not in {spec.name} once")
         text = text.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / f"{spec.name.replace('-', '_')}_{name}.py"
-    path.write_text(text)
-    mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    sys.modules[path.stem] = mod
-    mod_spec.loader.exec_module(mod)
-    return mod
+    return load_text(spec, text, name)
 
 
 def main(argv=None) -> int:

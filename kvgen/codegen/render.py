@@ -119,15 +119,28 @@ def load(spec: VariantSpec) -> ModuleType:
             return module
         path = module_path(spec)
         write_source(path, render(spec))
-        mod_name = f"{spec.module_name}_{key[1]}"
-        imp_spec = importlib.util.spec_from_file_location(mod_name, path)
-        assert imp_spec is not None and imp_spec.loader is not None
-        module = importlib.util.module_from_spec(imp_spec)
-        sys.modules[mod_name] = module
-        try:
-            imp_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[mod_name]
-            raise
+        module = _import(path, f"{spec.module_name}_{key[1]}")
         _loaded[key] = module
         return module
+
+
+def load_text(spec: VariantSpec, text: str, tag: str) -> ModuleType:
+    """A module of ``spec`` from ``text`` instead of its rendering (a diagnostic's edit of it,
+    e.g. a stage of the kernel left out), written beside the rendered module under ``tag`` (an
+    identifier) and imported under a name of its own; not memoised."""
+    path = module_path(spec).with_name(f"{spec.name}-{tag}.py")
+    write_source(path, text)
+    return _import(path, f"{spec.module_name}_{template_hash(spec.template)}_{tag}")
+
+
+def _import(path: Path, mod_name: str) -> ModuleType:
+    imp_spec = importlib.util.spec_from_file_location(mod_name, path)
+    assert imp_spec is not None and imp_spec.loader is not None
+    module = importlib.util.module_from_spec(imp_spec)
+    sys.modules[mod_name] = module
+    try:
+        imp_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module
