@@ -323,14 +323,14 @@ ROWS_MLA = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
 TENSORDESC = {torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32", torch.bfloat16: "bf16"}
 rows_mod = load(ROWS_MLA)
 rows_descs = rows_mod.descriptors(torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8))
-types = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seqlens_ptr": "*i32"}
+types = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "order_ptr": "*i32"}
 types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
 for arg, d in zip(("codes_desc", "scale_desc", "rope_desc"), rows_descs, strict=True):
     box = ", ".join(map(str, d.block_shape))
     types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
-for heads, bufs in ((16, 2), (5, 3)):
-    kernel = compile_fn(ROWS_MLA.name, rows_mod.split_kernel, types,
-                        {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs})  # fmt: skip
+for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
+    constexprs = {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs, "ORDERED": ordered}
+    kernel = compile_fn(ROWS_MLA.name, rows_mod.split_kernel, types, constexprs)
     if kernel is not None:
         used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
         if used != [d.block_shape for d in rows_descs]:
