@@ -383,7 +383,9 @@ for ds, bn, bufs, in_page, tma in (
         mod.split_kernel_roles,
         types,
         {
-            "CAUSAL": True,
+            # (tiles in a page, not causal: the loader's NaN keys mark a missing page, and the
+            # S warpgroup does not check the table)
+            "CAUSAL": not in_page or bufs == 1,
             "BLOCK_N": bn,
             "NUM_BUF": bufs,
             "TILE_IN_PAGE": in_page,

@@ -319,39 +319,66 @@ def _quantized_case(spec, page, h_q, h_kv, s_q, extra, seqlens, device, **meta_k
     _assert_matches(out, lse, want, want_lse)
 
 
-@pytest.mark.parametrize("bad", BAD_TABLES)
-@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
-def test_a_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
-    """A page outside the cache, or a length past what the table holds, is never read: that
-    sequence's out and lse are NaN, the others those of the decode over the dequantized cache."""
+def _bad_table_case(spec, bad, device, page=16, s_q=1, gap=0):
+    """Three sequences over a cache of ``spec``'s format (pages ``gap`` rows further apart than
+    their ``page`` rows), sequence 1's table spoiled as ``bad`` (spoil_table); with ``s_q``
+    > 1 causal queries. Sequence 1's out and lse must be NaN, the others those of the decode
+    over the dequantized cache."""
     from kvgen.bench.decode import K_SCALE, dequantized
     from kvgen.codegen import load
 
     gen = torch.Generator().manual_seed(3)
-    seqlens, page = [70, 100, 33], 16
+    seqlens = [70, 100, 33]
     blocks, table = _table(seqlens, page, gen)
     fmt = {"mla_decode_fp8": "fp8", "mla_decode_mxfp4": "mxfp4"}.get(spec.family, "fp8_ds_mla")
     row = {"fp8": 576, "fp8_ds_mla": 656, "mxfp4": 400}[fmt]
     k_scale = torch.tensor([K_SCALE], device=device)
-    cache = torch.empty(blocks, page, 1, row, dtype=torch.uint8, device=device)
+    whole = torch.empty(blocks, page + gap, 1, row, dtype=torch.uint8, device=device)
     kv = torch.randn(blocks * page, 576, generator=gen).to(torch.bfloat16).to(device)
-    _store(fmt, kv, torch.arange(blocks * page, device=device), cache.view(blocks, page, row),
-           k_scale)  # fmt: skip
-    q = torch.randn(3, 1, 16, 576, generator=gen).to(torch.bfloat16).to(device)
+    slot = torch.arange(blocks * page, device=device)
+    slot = slot // page * (page + gap) + slot % page  # (the first ``page`` rows of each block)
+    _store(fmt, kv, slot, whole.view(blocks, page + gap, row), k_scale)
+    cache = whole[:, :page]
+    q = torch.randn(3, s_q, 16, 576, generator=gen).to(torch.bfloat16).to(device)
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
     table = table.to(device)
     good_table, good_sl = table, sl.clone()
     if bad == "longer_than_table":
         good_sl[1] = 0
     table, sl = spoil_table(table, sl, bad, blocks, page)
-    meta, splits = get_mla_metadata(sl, 16, 1)
-    mp = spec.default_meta(rows=16) | ({"k_scale": k_scale} if fmt == "fp8" else {})
-    out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+    causal = s_q > 1
+    meta, splits = get_mla_metadata(sl, 16 * s_q, 1)
+    mp = spec.default_meta(rows=16 * s_q) | ({"k_scale": k_scale} if fmt == "fp8" else {})
+    out, lse = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, causal, **mp)
     assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
     deq = dequantized(fmt, cache, k_scale)
-    meta, splits = get_mla_metadata(good_sl, 16, 1)
-    want, want_lse = flash_mla_with_kvcache(q, deq, good_table, good_sl, 512, meta, splits)
+    meta, splits = get_mla_metadata(good_sl, 16 * s_q, 1)
+    want, want_lse = flash_mla_with_kvcache(
+        q, deq, good_table, good_sl, 512, meta, splits, causal=causal
+    )
     _assert_matches(out[[0, 2]], lse[[0, 2]], want[[0, 2]], want_lse[[0, 2]])
+
+
+@pytest.mark.parametrize("bad", BAD_TABLES)
+@pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
+def test_a_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+    """A page outside the cache, or a length past what the table holds, is never read: that
+    sequence's out and lse are NaN, the others those of the decode over the dequantized cache
+    (pages of 16 keys: tiles over several pages)."""
+    _bad_table_case(spec, bad, device)
+
+
+@pytest.mark.parametrize("gap", (0, 8), ids=("pages_back_to_back", "pages_apart"))
+@pytest.mark.parametrize("s_q", (1, 2), ids=("one_query", "two_causal"))
+@pytest.mark.parametrize("bad", BAD_TABLES)
+@pytest.mark.parametrize("spec", hopper(_variants()), ids=lambda s: getattr(s, "name", s))
+def test_wgmma_bad_block_table_with_tiles_in_one_page(spec, bad, s_q, gap, device):
+    """As above with pages of 64 keys, where each tile lies in one page: read by TMA (pages
+    back to back) or by cp.async (pages apart). With one query a sequence the loader turns a
+    tile whose page is missing into NaN keys (TMA, which writes zeros for rows outside the
+    cache, reads the page as the table names it); with causal queries the S warpgroup checks
+    the sequence's table."""
+    _bad_table_case(spec, bad, device, page=64, s_q=s_q, gap=gap)
 
 
 @pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
