@@ -41,8 +41,9 @@ PATCHES = {
     "nodequant": [
         (
             "            dequant_tile(codes, scales, rope_raw, j % NUM_RAW, k_words.index(buf),\n"
-            "                         k_rope_out.index(buf), k_scale, hi - start, BLOCK_N, USE_TMA)"
-            "  # fmt: skip\n",
+            "                         k_rope_out.index(buf), k_scale, hi - start, "
+            "(missed >> (j % 32)) & 1,\n"
+            "                         BLOCK_N, USE_TMA)  # fmt: skip\n",
             "",
         )
     ],
