@@ -41,6 +41,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+if [ "${1:-}" = ab ] && [ ! -f "${2:-}" ]; then  # (before minutes of installs and runs)
+  echo "$0 ab: no archive '${2:-}'" | tee "$out/ab-error.txt" >&2
+  exit 2
+fi
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
