@@ -174,14 +174,14 @@ def quantized_decodes() -> None:
             # missing page's tile as NaN keys (and TMA reads the page as the table names it)
             q1 = q[:, :1].contiguous()
             meta1, splits1 = get_mla_metadata(sl, h_q, 1)
+            scale = {"k_scale": k_scale} if fmt == "fp8" else {}
             for spec in quantized_variants(fmt):  # each variant, launched directly
-                mp = spec.default_meta(rows=2 * h_q)
-                mp |= {"k_scale": k_scale} if fmt == "fp8" else {}
-                out, _ = load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
+                run = load(spec).launch
+                mp = spec.default_meta(rows=2 * h_q) | scale
+                out, _ = run(q, cache, table, sl, meta, splits, 576**-0.5, True, **mp)
                 rel = float((out.float() - want.float()).norm() / want.float().norm())
                 check(f"{spec.name} h_q={h_q} {mp} (rel. error {rel:.2e})", rel < 2e-3)
-                mp = spec.default_meta(rows=h_q) | ({"k_scale": k_scale} if fmt == "fp8" else {})
-                run = load(spec).launch
+                mp = spec.default_meta(rows=h_q) | scale
                 out1, _ = run(q1, cache, table, sl, meta1, splits1, 576**-0.5, False, **mp)
                 got, lse = run(q1, cache, bad, sl, meta1, splits1, 576**-0.5, False, **mp)
                 check(f"{spec.name} h_q={h_q} one query, bad pages -> NaN",
