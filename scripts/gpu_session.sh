@@ -25,12 +25,13 @@
 #                                  KVGEN_SANITIZER_TIMEOUT seconds (default 200); each of
 #                                  KVGEN_TEST_FILES, KVGEN_BENCH_OPS and KVGEN_CHECK_SECTIONS set
 #                                  empty skips its step
-#   scripts/gpu_session.sh ab TAR [N] -- ARGS... python3 -P ARGS (a script or -m module and its
-#                                  arguments) under this checkout's kvgen (A) and under the
-#                                  kvgen of TAR (B: a `git archive` of another commit, e.g. in a
-#                                  carried folder), alternated A B A B ... N rounds (default 2),
-#                                  each run's output in $out/ab-{A,B}-<round>.txt: a kernel
-#                                  change timed against its base on one machine
+#   scripts/gpu_session.sh ab TAR[,TAR...] [N] -- ARGS... python3 -P ARGS (a script or -m module
+#                                  and its arguments) under this checkout's kvgen (A) and under
+#                                  the kvgen of each TAR (B, C, ...: a `git archive` of another
+#                                  commit, e.g. in a carried folder), alternated A B A B ... N
+#                                  rounds (default 2), each run's output in
+#                                  $out/ab-<side>-<round>.txt: kernel changes timed against
+#                                  their base on one machine
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
 #                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
 #                                  beside kvgen's decodes in its process, with their JSON
@@ -41,9 +42,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-if [ "${1:-}" = ab ] && [ ! -f "${2:-}" ]; then  # (before minutes of installs and runs)
-  echo "$0 ab: no archive '${2:-}'" | tee "$out/ab-error.txt" >&2
-  exit 2
+if [ "${1:-}" = ab ]; then  # every archive there, before minutes of installs and runs
+  IFS=, read -ra ab_tars <<< "${2:-}"
+  [ ${#ab_tars[@]} -gt 0 ] || ab_tars=("")
+  for tar in "${ab_tars[@]}"; do
+    if [ ! -f "$tar" ]; then
+      echo "$0 ab: no archive '$tar'" | tee "$out/ab-error.txt" >&2
+      exit 2
+    fi
+  done
 fi
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -119,19 +126,26 @@ case "${1:-tests}" in
     fi
     ;;
   ab)
-    tar=${2:?usage: $0 ab TAR [N] -- ARGS...}
     rounds=2
     shift 2
     if [ "${1:-}" != "--" ]; then rounds=$1; shift; fi
-    [ "${1:-}" = "--" ] || { echo "usage: $0 ab TAR [N] -- ARGS..." >&2; exit 2; }
+    [ "${1:-}" = "--" ] || { echo "usage: $0 ab TAR[,TAR...] [N] -- ARGS..." >&2; exit 2; }
     shift
-    rm -rf /tmp/kvB-src && mkdir -p /tmp/kvB-src && tar -xf "$tar" -C /tmp/kvB-src || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
-      --target /tmp/kvB /tmp/kvB-src || exit 1
+    sides=(A)
+    letters=(B C D E F G H)
+    for i in "${!ab_tars[@]}"; do
+      side=${letters[$i]}
+      sides+=("$side")
+      rm -rf "/tmp/kv$side-src" && mkdir -p "/tmp/kv$side-src" &&
+        tar -xf "${ab_tars[$i]}" -C "/tmp/kv$side-src" || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade \
+        --target "/tmp/kv$side" "/tmp/kv$side-src" || exit 1
+      echo "$side: ${ab_tars[$i]}"
+    done
     for r in $(seq 1 "$rounds"); do
-      for side in A B; do
+      for side in "${sides[@]}"; do
         pp=$PYTHONPATH
-        [ $side = B ] && pp=${PYTHONPATH/\/tmp\/kv/\/tmp\/kvB}
+        [ "$side" = A ] || pp=${PYTHONPATH/\/tmp\/kv/\/tmp\/kv$side}
         echo "== $side round $r"
         PYTHONPATH=$pp python3 -P "$@" 2>&1 | tee "$out/ab-$side-$r.txt" | tail -n 12 || rc=1
       done
@@ -147,7 +161,7 @@ case "${1:-tests}" in
     ;;
   *)
     echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|family F [NAME...]|" \
-      "ab TAR [N] -- ARGS...|protos" >&2
+      "ab TAR[,TAR...] [N] -- ARGS...|protos" >&2
     exit 2
     ;;
 esac
