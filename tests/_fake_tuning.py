@@ -146,3 +146,30 @@ def compile_checker(spec, bucket):
         return meta.get("num_warps") != 8
 
     return check
+
+
+def compiler(spec, bucket):
+    """``kvgen.tune.precompile``'s compiler (``--compile-beside``), faked: every compile but a
+    process's first sleeps KVGEN_FAKE_COMPILE_S seconds first; each appends "pid variant#bucket
+    meta no-launch" to KVGEN_FAKE_LOG + ".compiles" (no-launch: whether this process's Triton
+    launches compile only, as ``precompile.compile_only`` makes them)."""
+    from triton.runtime import jit
+
+    log = os.environ["KVGEN_FAKE_LOG"] + ".compiles"
+    pause = float(os.environ.get("KVGEN_FAKE_COMPILE_S", "0"))
+    no_launch = jit.KernelInterface.__getitem__.__name__ == "compile_not_launch"
+
+    done = []
+
+    def compile_(meta):
+        if done:
+            time.sleep(pause)
+        done.append(meta)
+        with open(log, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            where = ",".join(f"{k}={v}" for k, v in bucket.items())
+            f.write(f"{os.getpid()} {spec.name}#{where} {json.dumps(meta, sort_keys=True)} "
+                    f"{no_launch}\n")  # fmt: skip
+        return True
+
+    return compile_

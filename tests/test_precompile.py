@@ -177,3 +177,47 @@ def test_buckets_fall_into_the_classes_triton_specialises_their_sizes_by():
     # vLLM's inline-scale rows are a class of their own
     a = {"num_tokens": 4096, "num_heads": 8, "row_align": 16}
     assert cls(a) != cls({**a, "row_align": 4}) and cls(a) == cls({**a, "num_tokens": 256})
+
+
+COMPILE_ONLY_SCRIPT = """
+import os, sys
+import torch, triton, triton.language as tl
+from kvgen.tune import precompile, problems
+
+@triton.jit
+def ones(x_ptr):
+    tl.store(x_ptr + tl.arange(0, 16), tl.full([16], 1.0, tl.float32))
+
+x = torch.zeros(16, device="cuda")
+problems.listen_to_compiles()
+if sys.argv[1] == "compile-only":
+    precompile.compile_only()
+ones[(1,)](x)
+torch.cuda.synchronize()
+print(int(x.sum()), problems.COMPILES["compiled"], problems.COMPILES["cached"])
+"""
+
+
+def test_compile_only_launches_compile_and_run_nothing(tmp_path):
+    """On a GPU: after ``precompile.compile_only()``, ``kernel[grid](...)`` compiles (into
+    Triton's cache on disk) and leaves its output untouched; a later process's real launch of
+    the same kernel finds that binary (a cache hit) and runs it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("compiling for a GPU and launching need one")
+    import subprocess
+    import sys
+
+    script = tmp_path / "ones.py"
+    script.write_text(COMPILE_ONLY_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def run(mode):
+        done = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        return [int(x) for x in done.stdout.split()]
+
+    assert run("compile-only") == [0, 1, 0]  # compiled, not run
+    assert run("launch") == [16, 0, 1]  # found compiled, run

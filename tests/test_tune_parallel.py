@@ -484,16 +484,16 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
 def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
     tmp_path, two_fake_gpus, monkeypatch
 ):
-    """`kvgen tune --jobs 2` with the local search: before any trial, one pool compiles, for
-    each class of buckets Triton specialises alike (1 token, 4 tokens, 16 and 65536), the
-    class's start points (defaults, tuned configs) and the points within COMPILE_RADIUS steps
-    of them at one bucket of the class; not the whole space (with TPE, which may go anywhere:
-    the whole space, at one bucket)."""
+    """`kvgen tune --jobs 2 --compile-first` with the local search: before any trial, one pool
+    compiles, for each class of buckets Triton specialises alike (1 token, 4 tokens, 16 and
+    65536), the class's start points (defaults, tuned configs) and the points within
+    COMPILE_RADIUS steps of them at one bucket of the class; not the whole space (with TPE,
+    which may go anywhere: the whole space, at one bucket)."""
     from kvgen.tune import precompile
 
     monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
     monkeypatch.setenv("KVGEN_TUNE_COMPILE_CHECKER", "_fake_tuning:compile_checker")
-    args = _tune_args(tmp_path, "1,4,16,65536", "1")
+    args = [*_tune_args(tmp_path, "1,4,16,65536", "1"), "--compile-first"]
     args[args.index("grid")] = "local"
     args[args.index("--jobs") + 1] = "2"
     result = _kvgen(*args, "--trials", "6")
@@ -524,6 +524,36 @@ def test_tune_command_compiles_the_start_points_and_their_neighbours_first(
     compiled = [m for _, s, m in _evaluations(tmp_path / "evals.log") if "#" in s]
     assert sorted(compiled) == sorted(json.dumps(m, sort_keys=True)
                                       for m in SPACE.compile_points(SPEC))  # fmt: skip
+
+
+def test_tune_command_compiles_beside_the_workers_and_stops_with_them(
+    tmp_path, two_fake_gpus, monkeypatch
+):
+    """`kvgen tune --jobs 3` (the default --compile-beside): the workers start at once, while
+    a pool of 2 processes whose Triton launches compile only compiles the start points and
+    their neighbourhood (the --compile-first set); once the workers are done the pool is
+    ended, whatever it has left, and the JSON is written as without it."""
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    monkeypatch.setenv("KVGEN_TUNE_COMPILER", "_fake_tuning:compiler")
+    monkeypatch.setenv("KVGEN_FAKE_COMPILE_S", "120")  # (a process's first: at once)
+    args = _tune_args(tmp_path, "16", "1")
+    args[args.index("grid")] = "local"
+    args[args.index("--jobs") + 1] = "3"
+    t0 = time.monotonic()
+    result = _kvgen(*args, "--trials", "6")
+    took = time.monotonic() - t0
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    beside = next(i for i, x in enumerate(lines) if x.startswith("compiling beside the workers"))
+    assert "in 2 processes" in lines[beside + 1]
+    assert not any(x.startswith("compiling ahead took") for x in lines)
+    assert any("[gpu fake0]" in x for x in lines)
+    assert any("not compiled: the trials ended first" in x for x in lines), result.output
+    compiles = (tmp_path / "evals.log.compiles").read_text().splitlines()
+    assert compiles and all(c.endswith(" True") for c in compiles)  # compile only, no launch
+    planned = int(lines[beside + 1].split()[1])  # "compiling N candidates of ..."
+    assert len(compiles) < planned and took < 120  # (cut short, not waited for)
+    assert (tmp_path / "out" / "sm90" / f"{SPEC.family}.json").exists()
 
 
 def test_a_study_finished_without_a_confirmation_is_confirmed_by_the_command(

@@ -87,6 +87,15 @@ def tune_cmd(
     min_gain: Annotated[
         float, opt("The relative gain that counts for --patience.", "--min-gain", min=0.0)
     ] = MIN_GAIN,
+    compile_beside: Annotated[
+        bool,
+        opt(
+            "Compile (--jobs - 1 processes, compile only: no kernel of theirs runs beside a "
+            "timing) while the workers tune, instead of checking every candidate before the "
+            "first trial.",
+            "--compile-beside/--compile-first",
+        ),
+    ] = True,
 ) -> None:
     """Tune meta-parameters with Optuna and write tuned_configs/<arch>/<family>.json.
 
@@ -118,8 +127,9 @@ def tune_cmd(
     if local_target()[0] != arch and not force:
         raise fail(f"this GPU is {local_target()[0]}, not {arch}; pass --force to tune anyway")
     opts = tune_run.Options(
-        arch, storage, sampler, trials, timeout, jobs, confirm, out, patience, min_gain
-    )
+        arch, storage, sampler, trials, timeout, jobs, confirm, out, patience, min_gain,
+        compile_beside,
+    )  # fmt: skip
     try:
         tune_run.start(
             names,

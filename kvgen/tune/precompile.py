@@ -33,6 +33,7 @@ from kvgen.space import bucket_key
 COMPILE_RADIUS = 2  # steps around the start points of a class of buckets
 CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
 DEFAULT_CHECKER = "kvgen.tune.precompile:cuda_checker"
+DEFAULT_COMPILER = "kvgen.tune.precompile:cuda_compiler"  # (compile_only: no launch, no check)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +94,48 @@ def cuda_checker(spec, bucket):
     return check
 
 
+def cuda_compiler(spec, bucket):
+    """``compile(meta) -> True``: the family's tuning problem's launch of ``meta`` on this
+    process's GPU with every Triton launch compiling only (``compile_only``): the binaries land
+    in Triton's cache on disk, and no kernel runs, so that the timings of a worker tuning on
+    the same GPU meanwhile are not disturbed."""
+    import torch
+
+    from kvgen.tune import problems
+
+    run, _, _ = problems.problem(spec, bucket, torch.device("cuda"))
+
+    def compile_(meta):
+        run(0, meta)
+        return True
+
+    return compile_
+
+
+def compile_only() -> None:
+    """From now on, in this process, ``kernel[grid](...)`` compiles the kernel for those
+    arguments (Triton's warmup: the same specialisation and cache key as a launch) and does not
+    launch it."""
+    from triton.runtime import jit
+
+    def compile_not_launch(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=True, **kwargs)
+
+    jit.KernelInterface.__getitem__ = compile_not_launch
+
+
 _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's check
 
 
-def _one_thread() -> None:
+def _one_thread(no_launch: bool = False) -> None:
     """Many compile processes at once: one CPU thread each for torch (the reference checks),
-    or their thread pools oversubscribe the cores and everything crawls."""
+    or their thread pools oversubscribe the cores and everything crawls; with ``no_launch``,
+    Triton launches compile only (``compile_only``)."""
     import torch
 
     torch.set_num_threads(1)
+    if no_launch:
+        compile_only()
 
 
 def _check_for(task: Task, checker: str) -> Callable:
@@ -151,11 +185,16 @@ def precompile(
     progress: Callable[[str], None] | None = None,
     stop: float | None = None,
     checker: str = DEFAULT_CHECKER,
+    no_launch: bool = False,
+    cancel=None,
 ) -> dict[tuple[str, str], str]:
     """Compile and check the ``tasks``' candidates in one pool of ``jobs`` processes (spawned,
     each with its own CUDA context on the current GPU), taken in order, none started after
     ``stop`` (a time.time()). ``checker``: ``module:function`` giving ``check(meta) -> bool``
-    for a (spec, bucket). Returns ``{(variant, bucket key, json(meta)): outcome}``."""
+    for a (spec, bucket). ``no_launch``: the pool's Triton launches compile only
+    (``compile_only``; the checker is then a compiler, e.g. ``cuda_compiler``). ``cancel``: a
+    threading.Event whose setting ends the pool (its processes are terminated) once the task
+    under way comes back. Returns ``{(variant, bucket key, json(meta)): outcome}``."""
     if jobs <= 1 or not tasks:
         return {}
     jobs = min(jobs, len(tasks))
@@ -175,9 +214,10 @@ def precompile(
     per_ring = dict.fromkeys(rings, 0)
     busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs, initializer=_one_thread) as pool:
+    with ctx.Pool(jobs, initializer=_one_thread, initargs=(no_launch,)) as pool:
         work = [(t, stop, checker) for t in tasks]
-        for task, (ring, part, seconds) in zip(tasks, pool.imap(_run, work), strict=True):
+        done = _results(pool.imap(_run, work), cancel)  # (cancelled: fewer than the tasks)
+        for task, (ring, part, seconds) in zip(tasks, done, strict=False):
             where = bucket_key(task.bucket)
             outcome.update({(task.spec.name, where, k): v for k, v in part.items()})
             spent = busy.setdefault(task.spec.name, [0.0, 0])
@@ -193,10 +233,13 @@ def precompile(
     bad = sum(v != "ok" for v in outcome.values())
     if progress:
         skipped = total - len(outcome)
+        if cancel is not None:
+            why = f"; {skipped} not compiled: the trials ended first"
+        else:
+            why = f"; {skipped} left to the trials: the budget's half was spent"
         progress(
-            f"  compiled {len(outcome)} ({bad} failed or wrong"
-            + (f"; {skipped} left to the trials: the budget's half was spent" if skipped else "")
-            + f") in {time.monotonic() - t0:.1f} s"
+            f"  compiled {len(outcome)} ({bad} failed or wrong{why if skipped else ''}) in "
+            f"{time.monotonic() - t0:.1f} s"
         )
         slowest = sorted(busy.items(), key=lambda kv: -kv[1][0])[:5]
         progress(
@@ -205,6 +248,18 @@ def precompile(
         )
     sys.stderr.flush()
     return outcome
+
+
+def _results(results, cancel, poll_s: float = 0.5):
+    """The pool's ``results`` (an imap iterator) in order, until ``cancel`` (a threading.Event
+    or None) is set: then none more (the pool's block, left, terminates its processes)."""
+    while cancel is None or not cancel.is_set():
+        try:
+            yield results.next(timeout=poll_s)
+        except multiprocessing.TimeoutError:
+            continue
+        except StopIteration:
+            return
 
 
 def compile_all(

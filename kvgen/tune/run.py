@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,8 @@ class Options:
     out: Path | None = None  # tuned_configs folder (None: the package's)
     patience: int = PATIENCE  # end a study after this many trials without a gain (0: never)
     min_gain: float = MIN_GAIN
+    # compile beside the workers (compile only, no launch) rather than before them
+    compile_beside: bool = True
 
     @property
     def stop(self) -> tuner.StopRule:
@@ -110,7 +113,18 @@ def run(
         + f", sampler {opts.sampler}, on {len(devices)} GPU(s)"
     )
     compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
-    if compile_jobs > 1:  # the Triton cache on disk is shared by the workers of this host
+    beside = None  # (the compile pool that runs beside the workers, and its cancel)
+    if compile_jobs > 1 and opts.compile_beside:
+        # the Triton cache on disk is shared by the workers of this host: what the pool has
+        # compiled when a trial comes, the trial loads
+        cancel = threading.Event()
+        pool = threading.Thread(
+            target=_precompile, args=(studies, store, opts, compile_jobs, log),
+            kwargs={"cancel": cancel}, name="kvgen-compile", daemon=True,
+        )  # fmt: skip
+        pool.start()
+        beside = (pool, cancel)
+    elif compile_jobs > 1:
         t_compile = time.monotonic()
         _precompile(studies, store, opts, compile_jobs, log, deadline)
         log(f"compiling ahead took {time.monotonic() - t_compile:.1f} s")
@@ -129,7 +143,12 @@ def run(
     )
     t0 = time.monotonic()
     progress = Progress(studies, store, opts, len(devices), log)
-    exits = parallel.run_workers(plan, devices, log=log, on_poll=progress.poll)
+    try:
+        exits = parallel.run_workers(plan, devices, log=log, on_poll=progress.poll)
+    finally:
+        if beside is not None:  # the trials are over: what is left uncompiled is not needed
+            beside[1].set()
+            beside[0].join()
     dead = [e for e in exits if e.returncode != 0]
     replaced = sum(len(e.deaths) for e in exits)
     log(
@@ -220,12 +239,15 @@ class Progress:
         return text
 
 
-def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
+def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=None) -> None:
     """Compile, in ``compile_jobs`` processes before the workers start, what the studies'
     searches visit first (``kvgen.tune.precompile``): every variant with a study left to run
     (a resumed run skips the finished ones), its start points and their neighbourhood. Half of
     the wall-clock budget at most (``deadline``: time.monotonic()): what is left uncompiled
-    then compiles in the trials that need it."""
+    then compiles in the trials that need it. With ``cancel`` (a threading.Event), beside the
+    workers instead: ``compile_jobs - 1`` processes (a core stays the worker's) compile
+    without launching anything (no kernel of theirs runs beside a timing) until the event is
+    set."""
     from kvgen.tune import precompile
 
     by_variant: dict[str, list[Study]] = {}
@@ -262,6 +284,13 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None) -> None:
             bucket = sts[len(sts) // 2].bucket
             entries.append((spec, space, bucket, start_points(sts), precompile.COMPILE_RADIUS))
     tasks = precompile.plan(entries)
+    if cancel is not None:  # beside the workers: compile only, until the trials are over
+        # KVGEN_TUNE_COMPILER replaces the GPU compile (the tests' fake one)
+        compiler = os.environ.get("KVGEN_TUNE_COMPILER", precompile.DEFAULT_COMPILER)
+        log("compiling beside the workers (compile only, no launch):")
+        precompile.precompile(tasks, compile_jobs - 1, progress=log, checker=compiler,
+                              no_launch=True, cancel=cancel)  # fmt: skip
+        return
     stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
     # KVGEN_TUNE_COMPILE_CHECKER replaces the GPU check (the tests' fake one)
     checker = os.environ.get("KVGEN_TUNE_COMPILE_CHECKER", precompile.DEFAULT_CHECKER)
