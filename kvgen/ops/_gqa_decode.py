@@ -37,6 +37,11 @@ def _cache_format(q: torch.Tensor, k: torch.Tensor) -> str:
 
 def _check_paged(name, t, like=None):
     check.ndim(name, t, 4, "[num_blocks, block_size, num_kv_heads, head]")
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(
+            f"{name} needs at least one block (dim 0) of at least one row (dim 1); got "
+            f"{tuple(t.shape)}"
+        )
     if t.shape[3] > 1 and t.stride(3) != 1:
         raise ValueError(f"{name} must have a unit stride in its last dimension")
     if like is not None and t.shape[:3] != like.shape[:3]:

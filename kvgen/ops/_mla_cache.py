@@ -87,7 +87,7 @@ def _launcher(fmt, latent, rope, dtype, device):
 
 def _run(checked, kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale):
     fields, device = checked
-    if kv_c.shape[0] == 0:
+    if kv_c.shape[0] == 0 or kv_cache.shape[0] * kv_cache.shape[1] == 0:  # (no slot: skipped)
         return
     spec, launch = _launcher(*fields, device)
     if kv_cache.ndim == 4:
@@ -199,8 +199,10 @@ def _run_gather(checked, kv_cache, slots, kv_cache_dtype, scale, latent, out_dty
     out = torch.empty(slots.shape[0], latent + rope, dtype=out_dtype, device=device)
     if slots.shape[0] == 0:
         return out
+    num_blocks, block_size, _ = kv_cache.shape
+    if num_blocks * block_size == 0:  # no slot: every row reads as zeros
+        return out.zero_()
     if fmt == "auto":  # the rows hold the values: a copy (no host sync)
-        num_blocks, block_size, _ = kv_cache.shape
         s = slots.to(torch.int64)
         valid = (s >= 0) & (s < num_blocks * block_size)
         s = torch.where(valid, s, 0)

@@ -141,7 +141,7 @@ def _check_store(x, slots, cache, group, k_pe=None):
 def _run_store(checked, x, slots, cache, group, k_pe=None):
     device, (layout, num_slots, block_size, block_stride) = checked
     num_tokens, latent = x.shape
-    if num_tokens == 0:
+    if num_tokens == 0 or num_slots == 0:  # (no slot: every token is skipped)
         return
     rope = 0 if k_pe is None else k_pe.shape[1]
     spec, launch = _store_launcher(x.dtype, latent, group, layout, device, rope)
@@ -209,6 +209,8 @@ def _run_gather(checked, cache, slots, latent, group, out_dtype, rope_dim=0):
     out = torch.empty(slots.shape[0], latent + rope_dim, dtype=out_dtype, device=device)
     if slots.shape[0] == 0:
         return out
+    if num_slots == 0:  # no slot: every row reads as zeros
+        return out.zero_()
     spec, launch = _gather_launcher(out_dtype, latent, group, layout, device, rope_dim)
     meta = runtime.meta_params(spec, num_tokens=slots.shape[0])
     if layout == "paged":

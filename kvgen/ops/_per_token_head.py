@@ -91,7 +91,7 @@ def _variant(cls, fmt, head_size, head_size_v, dtype, device):
 
 def _launch(cls, fmt, key, value, caches, slots, device) -> None:
     """Launch the store of ``cls`` once every argument has been checked."""
-    if key.shape[0] == 0:
+    if key.shape[0] == 0 or caches[0].shape[0] * caches[0].shape[1] == 0:  # (no slot: skipped)
         return
     spec, launch = _variant(cls, fmt, key.shape[2], value.shape[2], key.dtype, device)
     align = row_align(caches[0], caches[1])
@@ -257,6 +257,9 @@ def _int4_levels(device: torch.device) -> torch.Tensor:
 
 def _read(cache_t, scales, slots, head_size, out_dtype):
     num_slots = cache_t.shape[0] * cache_t.shape[1]
+    if num_slots == 0:  # no slot at all: every row reads as zeros (and there is none to index)
+        shape = (slots.shape[0], cache_t.shape[2], head_size)
+        return torch.zeros(shape, dtype=out_dtype, device=cache_t.device)
     s = slots.to(torch.int64)
     valid = (s >= 0) & (s < num_slots)
     s = torch.where(valid, s, 0)
