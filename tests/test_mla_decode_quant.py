@@ -381,6 +381,18 @@ def test_wgmma_bad_block_table_with_tiles_in_one_page(spec, bad, s_q, gap, devic
     _bad_table_case(spec, bad, device, page=64, s_q=s_q, gap=gap)
 
 
+@pytest.mark.parametrize("s_q", (1, 2), ids=("one_query", "two_causal"))
+@pytest.mark.parametrize("bad", BAD_TABLES)
+@pytest.mark.parametrize(
+    "spec", [s for s in _variants() if s.variant == "portable"], ids=lambda s: s.name
+)
+def test_portable_bad_block_table_with_tiles_in_one_page(spec, bad, s_q, device):
+    """As above with pages of 64 keys, where each of the portable variant's tiles lies in one
+    page (one page lookup a tile, page 0 read in a missing page's place): the combine kernel's
+    table check makes the sequence NaN, for one query and for causal rows."""
+    _bad_table_case(spec, bad, device, page=64, s_q=s_q)
+
+
 @pytest.mark.parametrize("spec", _variants(), ids=lambda s: s.name)
 def test_one_key_reads_back_its_row(spec, device):
     """A sequence of one key attends to that key alone (P = 1): its out is the key's V, the
