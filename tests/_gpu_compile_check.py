@@ -244,6 +244,12 @@ for ds, bh, bn in (
     constexprs = {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2}
     constexprs |= {"PAGE_AHEAD": False, "TILE_IN_PAGE": bh == 64, "ONE_KV_HEAD": True}
     compile_fn(ds.name, load(ds).split_kernel, types, constexprs)
+    # the combine kernel that checks the block table (the quantized formats' portable variant)
+    types = {n: "*i32" for n in ("num_splits_ptr", "block_table_ptr", "seqlens_ptr")}
+    types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "out_ptr": PTR[ds.dtype]}
+    types["lse_ptr"] = "*fp32"
+    constexprs = {"BLOCK_H": 16, "BLOCK_V": 128, "ONE_KV_HEAD": bh == 16, "TABLE_BLOCK": 64}
+    compile_fn(ds.name, load(ds).combine_kernel, types, constexprs)
 
 # The GQA decode: each K conversion (fp16 PTX) and V reading (32-bit words and PTX, or codes),
 # pages by shift or by division, bf16 and fp16 queries
@@ -260,7 +266,7 @@ for gs, words, pow2 in (
     types |= {"seqlens_ptr": "*i32", "o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32"}
     types["scale_log2"] = "fp32"
     constexprs = {"CAUSAL": False, "BLOCK_H": 16, "BLOCK_N": 64, "NUM_STAGES": 2}
-    constexprs |= {"TILE_IN_PAGE": False, "PAGE_POW2": pow2, "V_WORDS": words}
+    constexprs |= {"TILE_IN_PAGE": False, "PAGE_POW2": pow2, "V_WORDS": words, "TABLE_BLOCK": 64}
     fn = load(gs).split_kernel
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}  # (int4: no V_WORDS)
     strides = [n for n in fn.arg_names if n.startswith(("stride_k_", "stride_v_"))]
