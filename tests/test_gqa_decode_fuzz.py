@@ -39,6 +39,7 @@ def calls(draw):
         ),
         "bad_page": draw(st.sampled_from([None, None, -1, 10**6])),
         "short_table": draw(st.booleans()),
+        "empty": draw(st.sampled_from([None] * 8 + ["no_blocks", "no_rows"])),
         "seed": draw(st.integers(0, 2**16)),
     }
     return case
@@ -68,6 +69,10 @@ def test_every_call_raises_a_clear_error_or_matches_the_reference(device, case):
         ks = ks.double()
     elif case["scales"] == "wrong_shape" and ks is not None:
         ks = ks[:, :1]
+    if case["empty"]:  # a cache with no slot: refused, whatever else the call holds
+        cut = (slice(0, 0),) if case["empty"] == "no_blocks" else (slice(None), slice(0, 0))
+        k, v = k[cut], v[cut]
+        ks, vs = (None if s is None else s[cut] for s in (ks, vs))
     q = torch.randn(len(seqlens), case["s_q"], case["h_q"], d, generator=gen)
     q = q.to(torch.float32 if case["q_dtype"] == "fp32" else dtype)
     sl = torch.tensor(seqlens, dtype=torch.int32)
@@ -84,6 +89,7 @@ def test_every_call_raises_a_clear_error_or_matches_the_reference(device, case):
     finally:  # the decode never writes its caches
         for a, b in zip(before, snapshot((k, v, ks, vs)), strict=True):
             assert torch.equal(a, b)
+    assert not case["empty"], "a cache with no slot must be refused"
     event("ran" + (", a bad table" if invalid else ""))
     keep, ref_sl = check_invalid(out, lse, sl, invalid)
     if not keep:
