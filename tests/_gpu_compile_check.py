@@ -343,6 +343,10 @@ for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
             failures += 1
             print(f"FAIL {ROWS_MLA.name}: descriptor boxes {[d.block_shape for d in rows_descs]}, "
                   f"the kernel reads {used}")  # fmt: skip
+order_types = {"seqlens_ptr": "*i32", "order_ptr": "*i32"}
+for block in (16, rows_mod.ORDER_BLOCK):  # (the rows launcher's longest-first order)
+    compile_fn(ROWS_MLA.name + " order", rows_mod.order_kernel, order_types,
+               {"BLOCK": block, "CHUNK": 16})  # fmt: skip
 
 # What the wgmma decode's launcher passes as multiples of 16 (Q is copied where it is not)
 WGMMA_ALIGNED = (

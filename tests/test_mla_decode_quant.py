@@ -471,23 +471,20 @@ def _rows_launch(spec, q, cache, table, sl, **meta_kw):
     return load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
 
 
-@pytest.mark.parametrize("batch", [2, 7, 16, 100, 512])
+@pytest.mark.parametrize("batch", [1, 2, 7, 16, 100, 128, 129, 700])
 def test_rows_order_kernel_ranks_sequences_longest_first(batch, device):
-    """The rows launcher's ``order_kernel`` (plain Triton: runs in the interpreter): order[r] is
-    the sequence of rank r by length, longest first, equal lengths by index (ties, zeros, a
-    batch that is not a power of two, the largest batch it ranks)."""
+    """The rows launcher's ``order_of`` (``order_kernel``, plain Triton: runs in the
+    interpreter): order[r] is the sequence of rank r by length, longest first, equal lengths by
+    index (ties, zeros, batches that are not powers of two, one program's ORDER_BLOCK and
+    several programs)."""
     from kvgen.codegen import load
     from kvgen.families.mla_decode import MLADecodeDSMLASpec
 
     mod = load(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"))
-    assert batch <= mod.ORDER_MAX
     gen = torch.Generator().manual_seed(batch)
     lengths = torch.randint(0, 40, (batch,), generator=gen, dtype=torch.int32) * 97
     lengths[: batch // 3] = lengths[0]  # ties
-    lengths = lengths.to(device)
-    order = torch.full((batch,), -1, dtype=torch.int32, device=device)
-    mod.order_kernel[(1,)](lengths, order, batch, ORDER=max(16, 1 << (batch - 1).bit_length()),
-                           CHUNK=16)  # fmt: skip
+    order = mod.order_of(lengths.to(device))
     want = sorted(range(batch), key=lambda b: (-int(lengths[b]), b))
     assert order.tolist() == want
 
