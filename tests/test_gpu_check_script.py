@@ -25,14 +25,26 @@ fi
 """
 
 
-def run(tmp_path, bad="", short=""):
+# a stand-in for the Python that runs a section without the tool (the warm-up): it logs the
+# section; the report's header asks it for torch's and Triton's versions with -c
+PY_STUB = """#!/bin/bash
+if [ "$1" = -c ]; then echo "torch stub"; exit 0; fi
+echo "${@: -1}" >>"$WARM_LOG"
+"""
+
+
+def run(tmp_path, bad="", short="", warm=False):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("compute-sanitizer", STUB), ("nvidia-smi", "#!/bin/bash\necho stub\n")):
+    stubs = (("compute-sanitizer", STUB), ("nvidia-smi", "#!/bin/bash\necho stub\n"))
+    stubs += (("python-stub", PY_STUB),)
+    for name, text in stubs:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable)
+    python = str(bin_dir / "python-stub") if warm else sys.executable
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=python)
     env |= {"BAD": bad, "SHORT": short, "KVGEN_COMMIT": "test"}
+    env |= {"KVGEN_SANITIZER_WARM": "1" if warm else "0", "WARM_LOG": str(tmp_path / "warm.log")}
     out = tmp_path / "report.txt"
     sections = ["decodes", "gqa_decodes_int4"]
     proc = subprocess.run(
@@ -56,6 +68,15 @@ def test_every_tool_runs_every_section_and_the_report_keeps_their_order(tmp_path
     for t in tools:
         assert f"{t}: 2 sections, 0 errors" in proc.stdout
     assert not list(tmp_path.glob("report.txt.*")), "a section's temporary report was left"
+
+
+def test_each_section_runs_once_without_the_tool_before_the_tools(tmp_path):
+    proc, report = run(tmp_path, warm=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warm = (tmp_path / "warm.log").read_text().split()
+    assert sorted(warm) == ["decodes", "gqa_decodes_int4"]
+    assert "memcheck: 2 sections, 0 errors" in proc.stdout
+    assert not list(tmp_path.glob("report.txt.*")), "a warm-up's output was left"
 
 
 @pytest.mark.parametrize(
