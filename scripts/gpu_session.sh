@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # What a change that touches kernels runs on a GPU machine, written under ${OUT:-gpu-out}/:
 #   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
+#   scripts/gpu_session.sh fuzz [N] the property-based (hypothesis) suites, tests/test_*_fuzz.py, at
+#                                  N examples a test (default 300; CI runs 30 under the
+#                                  interpreter), one process a file side by side, with
+#                                  hypothesis' statistics (examples passing / failing / invalid,
+#                                  the share refused and the share matched) in
+#                                  $out/gpu-fuzz-<day>.txt
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
 #   scripts/gpu_session.sh tune [S] a cold kvgen tune --arch sm90 (every default study) for at
 #                                  most S seconds (default 540), its log and JSON (one tar,
@@ -68,6 +74,25 @@ case "${1:-tests}" in
     python3 -P -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests-$day.log" |
       tail -n 25 || rc=1
     PYTHON=python3 scripts/gpu_check.sh "$out/gpu-check-$day.txt" || rc=1
+    ;;
+  fuzz)
+    n=${2:-300}
+    pids=()
+    for f in tests/test_*_fuzz.py; do
+      KVGEN_FUZZ_EXAMPLES=$n python3 -P -m pytest -q -p no:cacheprovider \
+        --hypothesis-show-statistics "$f" >"$out/fuzz.$(basename "$f" .py).txt" 2>&1 &
+      pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    {
+      echo "# the hypothesis suites at KVGEN_FUZZ_EXAMPLES=$n on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u +%FT%TZ), kvgen ${KVGEN_COMMIT:-?}"
+      for f in "$out"/fuzz.*.txt; do
+        echo "## $(basename "$f" .txt | cut -d. -f2): $(tail -n 1 "$f")"
+        grep -v -e "^$" -e "Warning" -e "warner(" "$f"
+      done
+    } >"$out/gpu-fuzz-$day.txt"
+    rm -f "$out"/fuzz.*.txt
+    grep "^## " "$out/gpu-fuzz-$day.txt"
     ;;
   bench)
     python3 -P -m kvgen bench --tokens 1,16,4096,65536 --json "$out/bench-$day.json" \
