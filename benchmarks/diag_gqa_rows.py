@@ -1,10 +1,10 @@
-"""What bounds the GQA rows kernel over an int4 cache: time it with one stage of its tile left
-out (METHOD: time variants that leave a stage out, take differences).
+"""What bounds the GQA rows kernel over an int4 or int8 cache: time it with one stage of its
+tile left out (METHOD: time variants that leave a stage out, take differences).
 
 Each experiment patches the generated module's text (the result is wrong where a stage is left
 out: only the time is read) and is timed on the bench's two batches (128 x 4096 and 8 x 32768
-keys, 8 KV heads, pages of 16) beside the unpatched kernel and the int8 rows kernel, in the
-same run, at the variants' tuned configs:
+keys, 8 KV heads, pages of 16) beside the unpatched kernel (and, for int4, the int8 rows
+kernel), in the same run, at the variants' tuned configs. int4 (--kv int4):
 
   base      the kernel as generated
   novscale  V's scales are 1 (no page lookups, loads or shared-memory exchange)
@@ -12,9 +12,18 @@ same run, at the variants' tuned configs:
   nolo      S from the levels' hi terms alone (no lo conversion, half the S MMAs)
   nokdeq    K's words converted to f16 as integers (no byte-permute lookups)
   novdeq    V's half-words and scale words summed as integers, to f16 (no lookups)
+
+int8 (--kv int8):
+
+  noscale   K's and V's scales are 1 (no loads)
+  nolo      S and PV from the hi parts alone (half the integer MMAs)
+  novt      V^T's operand is a constant (no shared-memory load of V or register transpose)
+  nopv      no PV at all (no V^T operand, no PV MMAs)
+
 and any "+"-joined set of them (e.g. nokdeq+novdeq).
 
     python -P benchmarks/diag_gqa_rows.py --group 32 --rows 4
+    python -P benchmarks/diag_gqa_rows.py --kv int8 --rows 4
 
 With --launches N each kernel is launched N times, untimed, for a profiler:
 
@@ -41,7 +50,7 @@ from kvgen.families.gqa_decode import GQADecodeSpec
 
 _NG = r"(\d+)"
 # (regular expression, replacement): each must match at least once
-PATCHES = {
+INT4_PATCHES = {
     "novscale": [
         (r"        vs_s\.index\(i % 2\)\.store\(.*\)\n", ""),
         (
@@ -78,13 +87,53 @@ PATCHES = {
         )
     ],
 }
+INT8_PATCHES = {
+    "noscale": [
+        (
+            r"        ([kv])_sc = gl\.load\(\w+ \+ page \* \w+ \+ slot \* \w+, mask=ok, "
+            r"other=0\.0\)\n",
+            r"        \1_sc = gl.where(ok, 1.0, 0.0)\n",
+        )
+    ],
+    "nolo": [
+        (r"        s_lo = warpgroup_mma\(kt, ql_s.*\n", ""),
+        (
+            r"        s_hi, s_lo = warpgroup_mma_wait\(0, deps=\[s_hi, s_lo\]\)\n",
+            r"        s_hi = warpgroup_mma_wait(0, deps=[s_hi])\n        s_lo = s_hi\n",
+        ),
+        (r"        o_lo = warpgroup_mma\(vt, pl_s.*\n", ""),
+        (
+            r"        o_hi, o_lo = warpgroup_mma_wait\(0, deps=\[o_hi, o_lo\]\)\n",
+            r"        o_hi = warpgroup_mma_wait(0, deps=[o_hi])\n        o_lo = o_hi\n",
+        ),
+    ],
+    "novt": [
+        (
+            r"        w = v_s\.index\(stage\)\.load\(V_BYTES\)\n        vt = .*\n"
+            r"        vt = gl\.convert_layout\(vt, A_V\)\n",
+            r"        vt = gl.full([128, 64], 1, gl.int8, A_V)\n",
+        )
+    ],
+    "nopv": [
+        (
+            r"        w = v_s\.index\(stage\)\.load\(V_BYTES\)\n(?:.*\n)*?"
+            r"        o \+= \(o_hi \* 128 \+ o_lo\).*\n",
+            "",
+        )
+    ],
+}
+PATCHES = {"int4": INT4_PATCHES, "int8": INT8_PATCHES}
+EXPERIMENTS = {
+    "int4": "base,novscale,nokscale,nolo,nokdeq,novdeq",
+    "int8": "base,noscale,nolo,novt,nopv",
+}
 
 
 def patched(spec, names):
     """The generated module of ``spec`` with the text of experiments ``names`` replaced."""
     text = render(spec)
     for name in names:
-        for pattern, new in PATCHES[name]:
+        for pattern, new in PATCHES[spec.kv][name]:
             text, n = re.subn(pattern, new, text)
             if n == 0:
                 raise SystemExit(f"{name}: the patch's text is not in {spec.name}")
@@ -93,25 +142,27 @@ def patched(spec, names):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv", default="int4", choices=tuple(PATCHES), help="the cache format")
     ap.add_argument("--group", type=int, default=32, help="int4 channels a scale")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--rows", default="4", help="query heads a KV head, comma-separated")
-    ap.add_argument("--experiments", default="base,novscale,nokscale,nolo,nokdeq,novdeq")
+    ap.add_argument("--experiments", help="comma-separated (default: every one of --kv's)")
     ap.add_argument("--launches", type=int, default=0, help="launch N times, untimed")
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     arch, target = runtime.target_of(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    spec = GQADecodeSpec(128, 128, args.dtype, "int4", args.group, "rows", arch, target)
+    group = args.group if args.kv == "int4" else 0
+    spec = GQADecodeSpec(128, 128, args.dtype, args.kv, group, "rows", arch, target)
     int8 = GQADecodeSpec(128, 128, args.dtype, "int8", 0, "rows", arch, target)
     copy_bw = math.nan if args.launches else harness.copy_bandwidth(device)
     print(f"{spec.name}" + ("" if args.launches else f"; copy {copy_bw / 1e9:.0f} GB/s"))
     kernels = {}
-    for name in args.experiments.split(","):
+    for name in (args.experiments or EXPERIMENTS[args.kv]).split(","):
         parts = [p for p in name.split("+") if p != "base"]
         kernels[name] = (spec, patched(spec, parts) if parts else load(spec))
-    if not args.launches:
+    if not args.launches and args.kv == "int4":
         kernels["int8 base"] = (int8, load(int8))
     for rows in (int(r) for r in args.rows.split(",")):
         h_q = rows * bench.H_KV

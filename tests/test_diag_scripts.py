@@ -38,10 +38,13 @@ def test_quant_decode_patches_apply(spec, experiment):
     assert Path(module.__file__).read_text() != Path(load(spec).__file__).read_text()
 
 
-@pytest.mark.parametrize("experiment", list(GQA_ROWS.PATCHES))
-@pytest.mark.parametrize("group", ROWS_INT4_GROUPS)
-def test_gqa_rows_patches_apply(group, experiment):
-    spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
+GQA_ROWS_CASES = [("int4", g, e) for g in ROWS_INT4_GROUPS for e in GQA_ROWS.PATCHES["int4"]]
+GQA_ROWS_CASES += [("int8", 0, e) for e in GQA_ROWS.PATCHES["int8"]]
+
+
+@pytest.mark.parametrize(("kv", "group", "experiment"), GQA_ROWS_CASES)
+def test_gqa_rows_patches_apply(kv, group, experiment):
+    spec = GQADecodeSpec(128, 128, "bf16", kv, group, "rows", "sm90", "gpu")
     module = GQA_ROWS.patched(spec, [experiment])
     assert module is not load(spec)
     assert Path(module.__file__).read_text() != Path(load(spec).__file__).read_text()
