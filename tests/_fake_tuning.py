@@ -151,8 +151,9 @@ def compile_checker(spec, bucket):
 def compiler(spec, bucket):
     """``kvgen.tune.precompile``'s compiler (``--compile-beside``), faked: every compile but a
     process's first sleeps KVGEN_FAKE_COMPILE_S seconds first; each appends "pid variant#bucket
-    meta no-launch" to KVGEN_FAKE_LOG + ".compiles" (no-launch: whether this process's Triton
-    launches compile only, as ``precompile.compile_only`` makes them)."""
+    meta nice=N no-launch" to KVGEN_FAKE_LOG + ".compiles" (N: the process's niceness;
+    no-launch: whether its Triton launches compile only, as ``precompile.compile_only`` makes
+    them)."""
     from triton.runtime import jit
 
     log = os.environ["KVGEN_FAKE_LOG"] + ".compiles"
@@ -169,7 +170,7 @@ def compiler(spec, bucket):
             fcntl.flock(f, fcntl.LOCK_EX)
             where = ",".join(f"{k}={v}" for k, v in bucket.items())
             f.write(f"{os.getpid()} {spec.name}#{where} {json.dumps(meta, sort_keys=True)} "
-                    f"{no_launch}\n")  # fmt: skip
+                    f"nice={os.nice(0)} {no_launch}\n")  # fmt: skip
         return True
 
     return compile_

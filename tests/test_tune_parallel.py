@@ -531,8 +531,9 @@ def test_tune_command_compiles_beside_the_workers_and_stops_with_them(
 ):
     """`kvgen tune --jobs 3` (the default --compile-beside): the workers start at once, while
     a pool of 2 processes whose Triton launches compile only compiles the start points and
-    their neighbourhood (the --compile-first set); once the workers are done the pool is
-    ended, whatever it has left, and the JSON is written as without it."""
+    ring after ring around them, out to every point of the space (its cores are idle
+    otherwise); once the workers are done the pool is ended, whatever it has left, and the
+    JSON is written as without it."""
     monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
     monkeypatch.setenv("KVGEN_TUNE_COMPILER", "_fake_tuning:compiler")
     monkeypatch.setenv("KVGEN_FAKE_COMPILE_S", "120")  # (a process's first: at once)
@@ -551,7 +552,10 @@ def test_tune_command_compiles_beside_the_workers_and_stops_with_them(
     assert any("not compiled: the trials ended first" in x for x in lines), result.output
     compiles = (tmp_path / "evals.log.compiles").read_text().splitlines()
     assert compiles and all(c.endswith(" True") for c in compiles)  # compile only, no launch
+    # below the workers' CPU priority
+    assert all(int(c.split("nice=")[1].split()[0]) >= 10 for c in compiles)
     planned = int(lines[beside + 1].split()[1])  # "compiling N candidates of ..."
+    assert planned == len(SPACE.compile_points(SPEC))  # one class of buckets: all of them
     assert len(compiles) < planned and took < 120  # (cut short, not waited for)
     assert (tmp_path / "out" / "sm90" / f"{SPEC.family}.json").exists()
 

@@ -55,10 +55,11 @@ def tune_cmd(
     jobs: Annotated[
         int,
         opt(
-            "Processes that compile, before the trials, the candidates the searches visit "
-            "first (the start points and two steps around them, for each class of buckets "
-            "Triton compiles alike; with tpe / grid / random every candidate); timing stays "
-            "serial. 1: off.",
+            "Processes that compile the candidates the searches visit first (the start "
+            "points and the steps around them, nearest first, for each class of buckets "
+            "Triton compiles alike; with tpe / grid / random every candidate): beside the "
+            "workers until they are done, or before the trials the start points and two "
+            "steps around them (--compile-first); timing stays serial. 1: off.",
             "--jobs",
             "-j",
             show_default="CPU count - 1",
@@ -91,8 +92,9 @@ def tune_cmd(
         bool,
         opt(
             "Compile (--jobs - 1 processes, compile only: no kernel of theirs runs beside a "
-            "timing) while the workers tune, instead of checking every candidate before the "
-            "first trial.",
+            "timing) while the workers tune, ring after ring around the start points until "
+            "the workers are done, instead of checking the first rings' candidates before "
+            "the first trial.",
             "--compile-beside/--compile-first",
         ),
     ] = True,

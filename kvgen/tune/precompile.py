@@ -10,9 +10,10 @@ changes.
 What is compiled ahead is what a local search visits first (``plan``), nearest first, so
 that a budget cut leaves every study its nearest points: the start points of a variant's
 studies (the template default and the tuned JSON's config of each bucket) and the points
-within ``COMPILE_RADIUS`` steps of them, once for each class of buckets whose launches Triton
-specialises alike (``compile_class``), at one bucket of the class. A study that walks further
-compiles the rest in the trial that needs it. (Compiling every feasible point instead is 3967
+within ``COMPILE_RADIUS`` steps of them (beside the workers: every ring, until they are done),
+once for each class of buckets whose launches Triton specialises alike (``compile_class``), at
+one bucket of the class. A study that walks further compiles the rest in the trial that needs
+it. (Compiling every feasible point instead is 3967
 compiles for sm90's default studies at one bucket a variant, most of which no study visits,
 and the buckets of other classes compile in their trials anyway.)
 """
@@ -129,13 +130,18 @@ _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's chec
 
 def _one_thread(no_launch: bool = False) -> None:
     """Many compile processes at once: one CPU thread each for torch (the reference checks),
-    or their thread pools oversubscribe the cores and everything crawls; with ``no_launch``,
-    Triton launches compile only (``compile_only``)."""
+    or their thread pools oversubscribe the cores and everything crawls; with ``no_launch``
+    (beside the workers), Triton launches compile only (``compile_only``), and the process
+    runs at a lower CPU priority than the workers (niceness 10), whose host work (inputs, the
+    reference, launches) a trial waits on."""
+    import os
+
     import torch
 
     torch.set_num_threads(1)
     if no_launch:
         compile_only()
+        os.nice(10)
 
 
 def _check_for(task: Task, checker: str) -> Callable:
@@ -207,7 +213,7 @@ def precompile(
         progress(
             f"compiling {total} candidates of {variants} variants at {places} buckets in "
             f"{jobs} processes "
-            f"(start points and {len(rings) - 1} steps around them, nearest first)"
+            f"(start points and up to {max(rings)} steps around them, nearest first)"
         )
     t0 = time.monotonic()
     outcome: dict[tuple[str, str, str], str] = {}

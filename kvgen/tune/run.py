@@ -246,8 +246,8 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
     the wall-clock budget at most (``deadline``: time.monotonic()): what is left uncompiled
     then compiles in the trials that need it. With ``cancel`` (a threading.Event), beside the
     workers instead: ``compile_jobs - 1`` processes (a core stays the worker's) compile
-    without launching anything (no kernel of theirs runs beside a timing) until the event is
-    set."""
+    without launching anything (no kernel of theirs runs beside a timing), ring after ring
+    out to the whole space, until the event is set."""
     from kvgen.tune import precompile
 
     by_variant: dict[str, list[Study]] = {}
@@ -271,10 +271,14 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
             seeds = [spec.default_meta(**st.bucket) for st in sts]
             return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
 
+        full = sum(len(values) - 1 for values in space.params.values())  # every point
         if opts.sampler != "local":  # no local walk: any point may come, so all of them
-            full = sum(len(values) - 1 for values in space.params.values())
             entries.append((spec, space, mine[len(mine) // 2].bucket, start_points(mine), full))
             continue
+        # Beside the workers, the pool goes on ring by ring until the workers are done (its
+        # cores are idle otherwise, and a walk past the first rings compiles in its trials:
+        # 0.5 s a store kernel, seconds a decode's); before them, the first rings only.
+        radius = full if cancel is not None else precompile.COMPILE_RADIUS
         # buckets whose launches Triton specialises alike share binaries: each such class's
         # studies' start points and their neighbourhood, compiled at one of its buckets
         classes: dict[tuple, list[Study]] = {}
@@ -282,7 +286,7 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
             classes.setdefault(precompile.compile_class(st.bucket), []).append(st)
         for sts in classes.values():
             bucket = sts[len(sts) // 2].bucket
-            entries.append((spec, space, bucket, start_points(sts), precompile.COMPILE_RADIUS))
+            entries.append((spec, space, bucket, start_points(sts), radius))
     tasks = precompile.plan(entries)
     if cancel is not None:  # beside the workers: compile only, until the trials are over
         # KVGEN_TUNE_COMPILER replaces the GPU compile (the tests' fake one)
