@@ -1,5 +1,6 @@
 """What a tuning trial of the MXFP4 store and reader runs: the bench's rotated sets, launched
-with the candidate's meta-parameters, checked byte for byte against the reference."""
+with the candidate's meta-parameters, checked byte for byte against the reference over a
+prefix of at most ``CHECK_TOKENS`` tokens (the reference runs on the CPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 import torch
 
 from kvgen import _dtypes
+from kvgen.bench.store import CHECK_TOKENS
 from kvgen.codegen import load
 
 
@@ -37,7 +39,8 @@ def store_problem(spec, bucket, device):
     args = [_paged((x, slots, cache), cache) for x, slots, cache in case.data]
 
     x0, slots, cache = case.data[0]
-    x = torch.randn_like(x0)  # not the timed sets' data
+    n = min(x0.shape[0], CHECK_TOKENS)
+    x, slots = torch.randn_like(x0[:n]), slots[:n]  # not the timed sets' data
 
     def reference():
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
@@ -69,13 +72,14 @@ def gather_problem(spec, bucket, device):
     launch = load(spec).launch
 
     cache, slots, out = args[0][:3]
+    slots, out = slots[: min(t, CHECK_TOKENS)], out[: min(t, CHECK_TOKENS)]
     want = functools.cache(
         lambda: mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype).to(device)
     )
 
     def check(meta):
         out.fill_(float("nan"))
-        launch(*args[0], **meta)
+        launch(*_paged((cache, slots, out), cache), **meta)
         return torch.equal(out, want())
 
     return _runner(launch, args), check, case.n_sets
@@ -109,8 +113,10 @@ def store_rope_problem(spec, bucket, device):
     args = [_paged(d, d[-1]) for d in data]
 
     _, _, slots, cache = data[0]
-    x = torch.randn(t, spec.latent, device=device).to(dtype)  # not the timed sets' data
-    pe = torch.randn(t, spec.rope, device=device).to(dtype)
+    n = min(t, CHECK_TOKENS)
+    slots = slots[:n]
+    x = torch.randn(n, spec.latent, device=device).to(dtype)  # not the timed sets' data
+    pe = torch.randn(n, spec.rope, device=device).to(dtype)
 
     def reference():
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
@@ -153,6 +159,7 @@ def gather_rope_problem(spec, bucket, device):
     launch = load(spec).launch
 
     cache, slots, out = args[0][:3]
+    slots, out = slots[: min(t, CHECK_TOKENS)], out[: min(t, CHECK_TOKENS)]
     want = functools.cache(
         lambda: (
             mla_cache.gather_mxfp4_rope(cache, slots, spec.latent, spec.group, spec.rope)
@@ -163,7 +170,7 @@ def gather_rope_problem(spec, bucket, device):
 
     def check(meta):
         out.fill_(float("nan"))
-        launch(*args[0], **meta)
+        launch(*_paged((cache, slots, out), cache), **meta)
         return torch.equal(out, want())
 
     return _runner(launch, args), check, n_sets
