@@ -61,7 +61,7 @@ def measure_grid(spec, bucket, space, fake: bool, jobs: int = 1) -> dict[str, fl
 
         feasible = space.feasible(spec)
         compile_all(spec, bucket, feasible, jobs, progress=lambda m: print(m, file=sys.stderr))
-        evaluate = gpu_evaluator(spec, bucket)
+        evaluate = gpu_evaluator(spec, bucket).confirm  # (the bench's full settle)
     times = {}
     for point in space.points():
         key = _key(point)

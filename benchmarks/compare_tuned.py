@@ -78,6 +78,7 @@ def compare(rows: list[dict], factory, rounds: int = 3, log=print) -> list[dict]
             r |= {"same": True, "ratio": 1.0}
         else:
             evaluate = factory(row["spec"], parse_bucket_key(row["bucket"]))
+            evaluate = getattr(evaluate, "confirm", evaluate)  # (the bench's full settle)
             times: dict[str, list[float]] = {"a": [], "b": []}
             try:
                 for k in range(rounds):

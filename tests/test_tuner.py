@@ -724,6 +724,28 @@ def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
     assert entry["confirm_rounds"] == 3 and entry["meta"] == true_best
 
 
+def test_confirm_retimes_with_the_evaluators_confirm_where_it_has_one(storage):
+    """The GPU evaluator times its trials with a short settle and its re-timings with the
+    bench's full one (``evaluate.confirm``): ``confirm`` uses the latter."""
+    lucky = {"rows_per_program": 8, "num_warps": 4, "num_stages": 1}
+    true_best = min(SPACE.feasible(SPEC), key=fake_time)
+    calls = []
+
+    def trial(meta):  # the lucky config reads under the best in its trial
+        calls.append("trial")
+        return fake_time(true_best) * 0.98 if meta == lucky else fake_time(meta)
+
+    def careful(meta):
+        calls.append("confirm")
+        return fake_time(meta)
+
+    trial.confirm = careful
+    tuner.run_study(SPEC, BUCKET, SPACE, trial, storage=storage, sampler="grid", n_trials=1000)
+    calls.clear()
+    c = tuner.confirm(SPEC, BUCKET, storage, trial, top=3, rounds=3)
+    assert calls == ["confirm"] * 6 and c.meta == true_best
+
+
 def test_confirm_times_nothing_where_no_config_is_near_the_best(storage):
     """A best trial with no other config within CONFIRM_MARGIN stands as timed."""
     tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid", n_trials=1000)

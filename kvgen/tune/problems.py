@@ -21,11 +21,22 @@ def problem(spec, bucket, device):
     return registry.family(spec.family).tuning_problem(spec, bucket, torch.device(device))
 
 
+# The GPU time a trial's graph replays before it is timed (``harness.graph_time_us``'s
+# settle_ms), KVGEN_TUNE_TRIAL_SETTLE_MS to override. A trial follows others of its study (the
+# same kernel on the same problem: a like load), and the configs within 10 % of a study's best
+# are timed again after it with the bench's full settle (``evaluate.confirm``, which
+# ``tuner.confirm`` uses): the settle was most of a store trial's time.
+TRIAL_SETTLE_MS = 10.0
+
+
 def gpu_evaluator(spec, bucket, device="cuda"):
-    """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs.
-    ``evaluate.seconds`` adds up where the wall time went: ``first check`` (the reference is
-    made there, once a problem), ``check`` (the others: a config's first launch in this
-    process compiles, unless compiled ahead, or loads its binary), ``timing``."""
+    """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs
+    (settling ``TRIAL_SETTLE_MS``); ``evaluate.confirm(meta)`` times with the bench's full
+    settle (``harness.SETTLE_MS``). ``evaluate.seconds`` adds up where the wall time went:
+    ``first check`` (the reference is made there, once a problem), ``check`` (the others: a
+    config's first launch in this process compiles, unless compiled ahead, or loads its
+    binary), ``timing``."""
+    import os
     import time
 
     run, check, n_sets = problem(spec, bucket, device)
@@ -35,7 +46,9 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     counts = dict.fromkeys(COMPILES, 0)  # this problem's: kernels compiled / found cached
     checked = []
 
-    def evaluate(meta):
+    trial_settle = float(os.environ.get("KVGEN_TUNE_TRIAL_SETTLE_MS", TRIAL_SETTLE_MS))
+
+    def evaluate(meta, settle_ms=None):
         t0 = time.perf_counter()
         ok = check(meta)
         t1 = time.perf_counter()
@@ -50,11 +63,16 @@ def gpu_evaluator(spec, bucket, device="cuda"):
         calls = max(n_sets, min(32, int(500 / max(est, 1e-3)) + 1))
         replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
         us = harness.graph_time_us(
-            lambda i: run(i, meta), n_sets, calls=calls, replays=replays, trials=5
-        )
+            lambda i: run(i, meta), n_sets, calls=calls, replays=replays, trials=5,
+            settle_ms=trial_settle if settle_ms is None else settle_ms,
+        )  # fmt: skip
         seconds["timing"] += time.perf_counter() - t1
         return us
 
+    def confirm(meta):
+        return evaluate(meta, settle_ms=harness.SETTLE_MS)
+
+    evaluate.confirm = confirm
     evaluate.seconds = seconds
     evaluate.counts = counts
     return evaluate

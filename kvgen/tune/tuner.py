@@ -736,8 +736,9 @@ def confirm(
     record: bool = False,
 ) -> StudyResult | None:
     """Re-time the study's ``confirm_candidates`` ``rounds`` times each in alternated order
-    (forward, backward, ...), and return the result with the lowest median: one lucky timing
-    does not pick the config. ``record``: also store the outcome on the study
+    (forward, backward, ...), with ``evaluate.confirm`` where the evaluator has one (the GPU
+    evaluator's: the bench's full settle), and return the result with the lowest median: one
+    lucky timing does not pick the config. ``record``: also store the outcome on the study
     (``stored_confirmation`` reads it back), which is how a worker hands its re-timings to
     the process that writes the JSON.
 
@@ -755,13 +756,15 @@ def confirm(
     if result.meta is None or len(candidates) < 2:
         final = result
     else:
+        # (an evaluator may time its re-timings more carefully than its trials)
+        timer = getattr(evaluate, "confirm", evaluate)
         times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
         for r in range(rounds):
             order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
             for i in order:
                 if i in times:
                     try:
-                        times[i].append(evaluate(candidates[i]))
+                        times[i].append(timer(candidates[i]))
                     except WorkerFault:  # the GPU context is broken: the caller stops
                         raise
                     except Exception:  # wrong now, or a crash: dropped, as a trial would be
