@@ -1,0 +1,79 @@
+"""Where a `kvgen tune` run's worker time went, by family, from its log (the lines the workers
+print per study: trials, building inputs, first check, check, timing, kernels compiled or
+cached in the worker; and each study's re-timing).
+
+    python benchmarks/tune_log_summary.py tune-sm90.log [more logs of the same run]
+
+"first check" holds each study's reference (made once a problem), "check" the other checks,
+where a config's first launch in the worker compiles it (unless the compile pool had) or loads
+its binary; "compiled" counts the kernels the worker compiled itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+
+STUDY = re.compile(
+    r"\[gpu \S+\] (?P<name>\S+) @ \S+: ran (?P<trials>\d+) trials in (?P<total>[\d.]+) s "
+    r"\((?P<parts>[^)]*)\)"
+)
+RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
+PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
+COLUMNS = ("studies", "trials", "total", "building inputs", "first check", "check", "timing",
+           "re-timing", "compiled", "cached")  # fmt: skip
+
+
+def summarize(lines) -> dict[str, dict[str, float]]:
+    """{family: {column: sum}} over the log's study and re-timing lines."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COLUMNS, 0.0))
+    for line in lines:
+        if m := STUDY.search(line):
+            row = out[m["name"].split("-")[0]]
+            row["studies"] += 1
+            row["trials"] += int(m["trials"])
+            row["total"] += float(m["total"])
+            for part in m["parts"].split(", "):
+                if p := PART.fullmatch(part.strip()):
+                    if p["k"] in row:
+                        row[p["k"]] += float(p["v"])
+        elif m := RETIMED.search(line):
+            out[m["name"].split("-")[0]]["re-timing"] += float(m["s"])
+    return dict(out)
+
+
+def table(rows: dict[str, dict[str, float]]) -> str:
+    total = {c: sum(r[c] for r in rows.values()) for c in COLUMNS}
+    width = max([len("family"), len("all"), *map(len, rows)])
+    head = f"{'family':<{width}}" + "".join(f" {c:>15}" for c in COLUMNS)
+    body = []
+    for name, r in sorted([*rows.items(), ("all", total)], key=lambda kv: kv[0] == "all"):
+        cells = "".join(
+            f" {int(r[c]):>15d}" if c in ("studies", "trials", "compiled", "cached")
+            else f" {r[c]:>13.1f} s"
+            for c in COLUMNS
+        )  # fmt: skip
+        body.append(f"{name:<{width}}{cells}")
+    return "\n".join([head, *body])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+")
+    args = ap.parse_args(argv)
+    lines = []
+    for path in args.logs:
+        with open(path) as f:
+            lines += f.readlines()
+    rows = summarize(lines)
+    if not rows:
+        print("no study lines in these logs", file=sys.stderr)
+        return 1
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/tune_log_summary.py: a tune log's worker time summed by family."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "tune_log_summary", Path(__file__).parent.parent / "benchmarks" / "tune_log_summary.py"
+)
+summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(summary)
+
+LOG = """\
+tuning 3 studies, 40 trials each at most, sampler local, on 1 GPU(s)
+[gpu 0] store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu @ num_tokens=1: ran 4 trials in 1.9 s \
+(0.6 s building inputs, 1.1 s first check, 0.0 s check, 0.2 s timing, 0 kernels compiled, \
+4 kernels cached); study best so far 1.00 us {'rows_per_program': 1}
+[gpu 0] store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu @ num_tokens=1: re-timed in 0.6 s, best 1.01 us
+[gpu 1] store_mxfp4_mla-g32-l512-fp16-paged-sm90-gpu @ num_tokens=4: ran 12 trials in 2.4 s \
+(0.0 s building inputs, 0.3 s first check, 1.5 s check, 0.6 s timing, 5 kernels compiled, \
+7 kernels cached); study best so far 1.04 us {'rows_per_program': 2}; stopped: no more gain
+[gpu 0] gqa_decode-d128-dv128-bf16-kvint8-g0-rows-sm90-gpu @ rows=4: ran 10 trials in 30.0 s \
+(1.0 s building inputs, 2.0 s first check, 20.0 s check, 7.0 s timing, 6 kernels compiled, \
+0 kernels cached); study best so far 258.9 us {'num_stages': 3}
+progress: 3/3 studies done in 0.6 min
+"""
+
+
+def test_study_and_retiming_lines_are_summed_by_family(tmp_path):
+    rows = summary.summarize(LOG.splitlines())
+    assert set(rows) == {"store_mxfp4_mla", "gqa_decode"}
+    mx = rows["store_mxfp4_mla"]
+    assert (mx["studies"], mx["trials"], mx["compiled"], mx["cached"]) == (2, 16, 5, 11)
+    assert abs(mx["total"] - 4.3) < 1e-9 and abs(mx["check"] - 1.5) < 1e-9
+    assert abs(mx["first check"] - 1.4) < 1e-9 and abs(mx["re-timing"] - 0.6) < 1e-9
+    assert rows["gqa_decode"]["check"] == 20.0
+    log = tmp_path / "tune.log"
+    log.write_text(LOG)
+    assert summary.main([str(log)]) == 0
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing\n")
+    assert summary.main([str(empty)]) == 1
+
+
+def test_the_table_ends_with_the_sums(capsys):
+    print(summary.table(summary.summarize(LOG.splitlines())))
+    last = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert last[:3] == ["all", "3", "26"]  # studies, trials
