@@ -39,8 +39,7 @@ def store_problem(spec, bucket, device):
     args = [_paged((x, slots, cache), cache) for x, slots, cache in case.data]
 
     x0, slots, cache = case.data[0]
-    n = min(x0.shape[0], CHECK_TOKENS)
-    x, slots = torch.randn_like(x0[:n]), slots[:n]  # not the timed sets' data
+    x, slots = torch.randn_like(x0[:CHECK_TOKENS]), slots[:CHECK_TOKENS]  # not the timed data
 
     def reference():
         want = torch.full(cache.shape, 0xFF, dtype=torch.uint8)
@@ -72,7 +71,7 @@ def gather_problem(spec, bucket, device):
     launch = load(spec).launch
 
     cache, slots, out = args[0][:3]
-    slots, out = slots[: min(t, CHECK_TOKENS)], out[: min(t, CHECK_TOKENS)]
+    slots, out = slots[:CHECK_TOKENS], out[:CHECK_TOKENS]
     want = functools.cache(
         lambda: mxfp4.gather(cache.cpu(), slots.cpu(), spec.latent, spec.group).to(dtype).to(device)
     )
@@ -113,8 +112,8 @@ def store_rope_problem(spec, bucket, device):
     args = [_paged(d, d[-1]) for d in data]
 
     _, _, slots, cache = data[0]
-    n = min(t, CHECK_TOKENS)
-    slots = slots[:n]
+    slots = slots[:CHECK_TOKENS]
+    n = slots.shape[0]
     x = torch.randn(n, spec.latent, device=device).to(dtype)  # not the timed sets' data
     pe = torch.randn(n, spec.rope, device=device).to(dtype)
 
@@ -159,7 +158,7 @@ def gather_rope_problem(spec, bucket, device):
     launch = load(spec).launch
 
     cache, slots, out = args[0][:3]
-    slots, out = slots[: min(t, CHECK_TOKENS)], out[: min(t, CHECK_TOKENS)]
+    slots, out = slots[:CHECK_TOKENS], out[:CHECK_TOKENS]
     want = functools.cache(
         lambda: (
             mla_cache.gather_mxfp4_rope(cache, slots, spec.latent, spec.group, spec.rope)
