@@ -6,7 +6,8 @@
 #                                  interpreter), one process a file side by side, with
 #                                  hypothesis' statistics (examples passing / failing / invalid,
 #                                  the share refused and the share matched) in
-#                                  $out/gpu-fuzz-<day>.txt
+#                                  $out/gpu-fuzz-<day>.txt; each file stops after
+#                                  KVGEN_FUZZ_TIMEOUT seconds (default 480)
 #   scripts/gpu_session.sh bench   kvgen bench with its JSON and plot, and kvgen show's plot
 #   scripts/gpu_session.sh tune [S] a cold kvgen tune --arch sm90 (every default study) for at
 #                                  most S seconds (default 540), its log and JSON (one tar,
@@ -78,12 +79,20 @@ case "${1:-tests}" in
   fuzz)
     n=${2:-300}
     pids=()
-    for f in tests/test_*_fuzz.py; do
-      KVGEN_FUZZ_EXAMPLES=$n python3 -P -m pytest -q -p no:cacheprovider \
-        --hypothesis-show-statistics "$f" >"$out/fuzz.$(basename "$f" .py).txt" 2>&1 &
+    files=(tests/test_*_fuzz.py)
+    for f in "${files[@]}"; do
+      KVGEN_FUZZ_EXAMPLES=$n timeout "${KVGEN_FUZZ_TIMEOUT:-480}" python3 -P -m pytest -q \
+        -p no:cacheprovider --hypothesis-show-statistics "$f" \
+        >"$out/fuzz.$(basename "$f" .py).txt" 2>&1 &
       pids+=($!)
     done
-    for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+    for i in "${!pids[@]}"; do  # a file stopped by KVGEN_FUZZ_TIMEOUT (124) says so last
+      wait "${pids[$i]}" && continue
+      st=$?
+      rc=1
+      echo "exit $st$([ $st = 124 ] && echo ", stopped at KVGEN_FUZZ_TIMEOUT")" \
+        >>"$out/fuzz.$(basename "${files[$i]}" .py).txt"
+    done
     {
       echo "# the hypothesis suites at KVGEN_FUZZ_EXAMPLES=$n on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), $(date -u +%FT%TZ), kvgen ${KVGEN_COMMIT:-?}"
       for f in "$out"/fuzz.*.txt; do
