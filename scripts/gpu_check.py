@@ -312,6 +312,19 @@ def gqa_decodes(formats=GQA_FORMATS) -> None:
                                                block_table=bad_table.to(DEV), **kw)  # fmt: skip
             nan = [bool(torch.isnan(lse[b]).all()) for b in (0, 2, 3)]
             check(f"flash_attn_with_kvcache {kv} {layout} bad pages -> NaN", all(nan))
+        # a cache of one block (num_blocks 1, which the compiler takes as a constant), its
+        # table naming that page, one past it and a negative one
+        keys = torch.randn(page, 2, 128, generator=gen)
+        k, v, ks, vs, k_deq, v_deq = make_caches(kv, group, keys, keys.clone(), page, DEV)
+        one_sl = torch.tensor([page, 1, 5, 3], dtype=torch.int32)
+        one_table = torch.tensor([[0], [0], [1], [-1]], dtype=torch.int32)
+        q = torch.randn(4, 1, 8, 128, generator=gen).to(torch.bfloat16)
+        out, lse = flash_attn_with_kvcache(q.to(DEV), k, v, cache_seqlens=one_sl.to(DEV),
+                                           block_table=one_table.to(DEV), k_scale_cache=ks,
+                                           v_scale_cache=vs, return_softmax_lse=True)  # fmt: skip
+        ref = gqa_decode(q[:2], k_deq, v_deq, one_table[:2], one_sl[:2])
+        nan = bool(torch.isnan(lse[2:]).all())
+        check(f"flash_attn_with_kvcache {kv} one block", compare(out[:2], lse[:2], *ref)[0] and nan)
 
 
 def gqa_rows(kv: str, dtype: str) -> None:

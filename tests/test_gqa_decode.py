@@ -95,6 +95,29 @@ def test_a_v_cache_off_word_alignment(device, kv):
     _check((q, k, shifted), kwargs, ref_in)
 
 
+def _one_block_case(device, kv, group, dtype=torch.bfloat16, page=16):
+    """A cache of exactly one block (num_blocks 1: an integer argument the GPU compiler takes
+    as the constant 1), three sequences on it: a full page, one key, none."""
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(page, 2, 64, generator=gen)
+    values = torch.randn(page, 2, 64, generator=gen)
+    writer = "store" if torch.device(device).type == "cuda" else "reference"
+    k, v, ks, vs, k_deq, v_deq = make_caches(kv, group, keys, values, page, device,
+                                             writer=writer, dtype=dtype)  # fmt: skip
+    assert k.shape[0] == 1
+    q = torch.randn(3, 1, 4, 64, generator=gen).to(dtype)
+    sl = torch.tensor([page, 1, 0], dtype=torch.int32)
+    table = torch.zeros(3, 1, dtype=torch.int32)
+    kwargs = dict(cache_seqlens=sl.to(device), block_table=table.to(device), k_scale_cache=ks,
+                  v_scale_cache=vs)  # fmt: skip
+    return (q.to(device), k, v), kwargs, (q, k_deq, v_deq, table, sl)
+
+
+@pytest.mark.parametrize("kv,group", FORMATS)
+def test_a_cache_of_one_block(device, kv, group):
+    _check(*_one_block_case(device, kv, group))
+
+
 def test_lse_is_optional(device):
     args, kwargs, _ = _case(device, "auto")
     out = flash_attn_with_kvcache(*args, **kwargs)
@@ -204,6 +227,13 @@ def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, nu
         ok, rel, detail = compare(out, lse, *ref)
         assert ok, (split_factor, rel, detail)
         assert (out.cpu()[ref[1].permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
+
+
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_over_a_cache_of_one_block(spec, device):
+    args, kwargs, ref_in = _one_block_case(device, spec.kv, spec.group, _dtypes.TORCH[spec.dtype])
+    ok, rel, detail = compare(*_launch(spec, args, kwargs), *gqa_decode(*ref_in))
+    assert ok, (rel, detail)
 
 
 @pytest.mark.parametrize("h_q,h_kv,page,num_stages", [(8, 2, 16, 2), (16, 1, 32, 4), (3, 3, 1, 3)])

@@ -244,6 +244,16 @@ def test_page_sizes(page, device):
     _check(q, k, t, sl, 512)
 
 
+@pytest.mark.parametrize("spec", VARIANTS, ids=_kid)
+def test_a_cache_of_one_block(spec, device):
+    """num_blocks 1, an integer argument the GPU compiler takes as the constant 1: a full page,
+    one key and none, every sequence on that block."""
+    q, k, t, sl = _problem([64, 1, 0], 64, 16, 1, spec.head_dim, DTYPES[spec.dtype], device)
+    k = k[:1].contiguous()
+    t = torch.zeros_like(t[:, :1])
+    _check(q, k, t, sl, spec.head_dim_v, spec=spec)
+
+
 @pytest.mark.parametrize("s_q,h_q", [(1, 1), (2, 3), (4, 8), (8, 2)])
 def test_speculative_rows_causal(s_q, h_q, device):
     q, k, t, sl = _problem([1, 9, 150, 3], 16, h_q, s_q, 576, torch.bfloat16, device, seed=s_q)
