@@ -95,17 +95,17 @@ def test_a_v_cache_off_word_alignment(device, kv):
     _check((q, k, shifted), kwargs, ref_in)
 
 
-def _one_block_case(device, kv, group, dtype=torch.bfloat16, page=16):
+def _one_block_case(device, kv, group, dtype=torch.bfloat16, page=16, d=64, h_q=4):
     """A cache of exactly one block (num_blocks 1: an integer argument the GPU compiler takes
     as the constant 1), three sequences on it: a full page, one key, none."""
     gen = torch.Generator().manual_seed(3)
-    keys = torch.randn(page, 2, 64, generator=gen)
-    values = torch.randn(page, 2, 64, generator=gen)
+    keys = torch.randn(page, 2, d, generator=gen)
+    values = torch.randn(page, 2, d, generator=gen)
     writer = "store" if torch.device(device).type == "cuda" else "reference"
     k, v, ks, vs, k_deq, v_deq = make_caches(kv, group, keys, values, page, device,
                                              writer=writer, dtype=dtype)  # fmt: skip
     assert k.shape[0] == 1
-    q = torch.randn(3, 1, 4, 64, generator=gen).to(dtype)
+    q = torch.randn(3, 1, h_q, d, generator=gen).to(dtype)
     sl = torch.tensor([page, 1, 0], dtype=torch.int32)
     table = torch.zeros(3, 1, dtype=torch.int32)
     kwargs = dict(cache_seqlens=sl.to(device), block_table=table.to(device), k_scale_cache=ks,
@@ -231,7 +231,8 @@ def test_rows_variant_over_tile_edges_groups_and_pages(spec, h_q, h_kv, page, nu
 
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_variant_over_a_cache_of_one_block(spec, device):
-    args, kwargs, ref_in = _one_block_case(device, spec.kv, spec.group, _dtypes.TORCH[spec.dtype])
+    dtype = _dtypes.TORCH[spec.dtype]
+    args, kwargs, ref_in = _one_block_case(device, spec.kv, spec.group, dtype, d=128, h_q=8)
     ok, rel, detail = compare(*_launch(spec, args, kwargs), *gqa_decode(*ref_in))
     assert ok, (rel, detail)
 
