@@ -221,3 +221,36 @@ def test_compile_only_launches_compile_and_run_nothing(tmp_path):
 
     assert run("compile-only") == [0, 1, 0]  # compiled, not run
     assert run("launch") == [16, 0, 1]  # found compiled, run
+
+
+def test_the_compiler_makes_every_launch_of_a_trial():
+    """Beside the workers a candidate is compiled through every launch its trial makes: the
+    check's (a decode checks a small batch: its own binary) and the timed run of each input
+    set (a decode's sets are batches of other sizes), not only the first set's."""
+    calls = []
+
+    def run(i, meta):
+        calls.append(("run", i, meta["x"]))
+
+    def check(meta):
+        calls.append(("check", meta["x"]))
+        return False  # (outputs no kernel wrote: the verdict is not the compiler's)
+
+    compile_ = precompile.trial_launches(run, check, 3)
+    assert compile_({"x": 7}) is True
+    assert calls == [("check", 7), ("run", 0, 7), ("run", 1, 7), ("run", 2, 7)]
+
+
+def test_a_candidate_ptxas_cannot_assemble_leaves_its_ptx_out_of_the_log(capsys, monkeypatch):
+    """Triton prints a kernel's whole PTX before it raises PTXASError; the tuner's processes
+    drop that message (the error it raises keeps ptxas' lines) and print the rest."""
+    from triton.backends.nvidia import compiler
+
+    monkeypatch.setattr(compiler, "print", print, raising=False)
+    precompile.drop_ptx_dumps()
+    dump = "\n\n=====\nInternal Triton PTX codegen error\n\n.version 8.7\n=====\n"
+    compiler.print(dump + "please share the reproducer above with Triton project.\n")
+    compiler.print("ptxas info    : Used 128 registers")
+    out = capsys.readouterr().out
+    assert ".version" not in out and "codegen error" not in out
+    assert "Used 128 registers" in out

@@ -96,18 +96,28 @@ def cuda_checker(spec, bucket):
 
 
 def cuda_compiler(spec, bucket):
-    """``compile(meta) -> True``: the family's tuning problem's launch of ``meta`` on this
-    process's GPU with every Triton launch compiling only (``compile_only``): the binaries land
-    in Triton's cache on disk, and no kernel runs, so that the timings of a worker tuning on
-    the same GPU meanwhile are not disturbed."""
+    """``compile(meta) -> True``: every launch a trial of ``meta`` makes (the check's and the
+    timed one of each input set) on this process's GPU, with every Triton launch compiling
+    only (``compile_only``): the binaries land in Triton's cache on disk, and no kernel runs,
+    so that the timings of a worker tuning on the same GPU meanwhile are not disturbed.
+    (Triton specialises a launch by its integer arguments and pointers: a decode's check on a
+    small batch and its timed sets of other batch sizes are binaries of their own.)"""
     import torch
 
     from kvgen.tune import problems
 
-    run, _, _ = problems.problem(spec, bucket, torch.device("cuda"))
+    return trial_launches(*problems.problem(spec, bucket, torch.device("cuda")))
+
+
+def trial_launches(run, check, n_sets):
+    """``compile(meta) -> True`` making the launches of a trial of the tuning problem ``(run,
+    check, n_sets)``: the check (its verdict, over outputs no kernel wrote, is ignored) and
+    ``run(i, meta)`` for each input set ``i``."""
 
     def compile_(meta):
-        run(0, meta)
+        check(meta)
+        for i in range(n_sets):
+            run(i, meta)
         return True
 
     return compile_
@@ -125,6 +135,24 @@ def compile_only() -> None:
     jit.KernelInterface.__getitem__ = compile_not_launch
 
 
+def drop_ptx_dumps() -> None:
+    """In this process, Triton's message for a kernel that ptxas cannot assemble (e.g. a
+    candidate that needs more registers than its ``maxnreg``) is not printed: it holds the
+    kernel's whole PTX, thousands of lines a candidate in a tune's log. The PTXASError raised
+    after it still carries ptxas' own lines, which the tuner records as the trial's failure.
+    Everything else Triton's CUDA backend prints is printed as before."""
+    import builtins
+
+    from triton.backends.nvidia import compiler
+
+    def quiet_print(*args, **kwargs):
+        if any("please share the reproducer" in str(a) for a in args):
+            return
+        builtins.print(*args, **kwargs)
+
+    compiler.print = quiet_print
+
+
 _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's check
 
 
@@ -139,6 +167,7 @@ def _one_thread(no_launch: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
+    drop_ptx_dumps()
     if no_launch:
         compile_only()
         os.nice(10)

@@ -39,9 +39,12 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     import os
     import time
 
+    from kvgen.tune.precompile import drop_ptx_dumps
+
     run, check, n_sets = problem(spec, bucket, device)
     seconds = {"first check": 0.0, "check": 0.0, "timing": 0.0}
     listen_to_compiles()
+    drop_ptx_dumps()  # (a failed compile is the trial's failure, ptxas' lines its reason)
     start = dict(COMPILES)
     counts = dict.fromkeys(COMPILES, 0)  # this problem's: kernels compiled / found cached
     checked = []
