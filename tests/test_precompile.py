@@ -247,7 +247,9 @@ def test_a_candidate_ptxas_cannot_assemble_leaves_its_ptx_out_of_the_log(capsys,
     from triton.backends.nvidia import compiler
 
     monkeypatch.setattr(compiler, "print", print, raising=False)
-    precompile.drop_ptx_dumps()
+    from kvgen.tune.problems import drop_ptx_dumps
+
+    drop_ptx_dumps()
     dump = "\n\n=====\nInternal Triton PTX codegen error\n\n.version 8.7\n=====\n"
     compiler.print(dump + "please share the reproducer above with Triton project.\n")
     compiler.print("ptxas info    : Used 128 registers")

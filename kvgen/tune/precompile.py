@@ -135,24 +135,6 @@ def compile_only() -> None:
     jit.KernelInterface.__getitem__ = compile_not_launch
 
 
-def drop_ptx_dumps() -> None:
-    """In this process, Triton's message for a kernel that ptxas cannot assemble (e.g. a
-    candidate that needs more registers than its ``maxnreg``) is not printed: it holds the
-    kernel's whole PTX, thousands of lines a candidate in a tune's log. The PTXASError raised
-    after it still carries ptxas' own lines, which the tuner records as the trial's failure.
-    Everything else Triton's CUDA backend prints is printed as before."""
-    import builtins
-
-    from triton.backends.nvidia import compiler
-
-    def quiet_print(*args, **kwargs):
-        if any("please share the reproducer" in str(a) for a in args):
-            return
-        builtins.print(*args, **kwargs)
-
-    compiler.print = quiet_print
-
-
 _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's check
 
 
@@ -165,6 +147,8 @@ def _one_thread(no_launch: bool = False) -> None:
     import os
 
     import torch
+
+    from kvgen.tune.problems import drop_ptx_dumps
 
     torch.set_num_threads(1)
     drop_ptx_dumps()

@@ -39,8 +39,6 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     import os
     import time
 
-    from kvgen.tune.precompile import drop_ptx_dumps
-
     run, check, n_sets = problem(spec, bucket, device)
     seconds = {"first check": 0.0, "check": 0.0, "timing": 0.0}
     listen_to_compiles()
@@ -102,3 +100,21 @@ def listen_to_compiles() -> None:
 
     listen.kvgen_counts = True
     knobs.compilation.listener = listen
+
+
+def drop_ptx_dumps() -> None:
+    """In this process, Triton's message for a kernel that ptxas cannot assemble (e.g. a
+    candidate that needs more registers than its ``maxnreg``) is not printed: it holds the
+    kernel's whole PTX, thousands of lines a candidate in a tune's log. The PTXASError raised
+    after it still carries ptxas' own lines, which the tuner records as the trial's failure.
+    Everything else Triton's CUDA backend prints is printed as before."""
+    import builtins
+
+    from triton.backends.nvidia import compiler
+
+    def quiet_print(*args, **kwargs):
+        if any("please share the reproducer" in str(a) for a in args):
+            return
+        builtins.print(*args, **kwargs)
+
+    compiler.print = quiet_print
