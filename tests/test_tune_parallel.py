@@ -165,6 +165,10 @@ def test_workers_share_a_local_search_that_the_stop_rule_ends(tmp_path):
         result = tuner.load_result(SPEC, b, store, stop)
         assert result.stopped_early and result.time_us == min(t.value for t in trials
                                                               if t.value is not None)  # fmt: skip
+        # the workers that worked on it recorded their time on it (the progress line's ETA)
+        spent = {k: v for k, v in study.user_attrs.items() if k.startswith("wall_s:")}
+        assert spent and all(v > 0 for v in spent.values())
+        assert tuner.wall_time(study) == pytest.approx(sum(spent.values()))
     # a worker that reached the second study took the first one's best so far as a start
     timed_first = [t.params for t in _study(store, BUCKETS[0]).trials if t.value is not None]
     warm = [t for t in _study(store, BUCKETS[1]).trials if "warm_start" in t.user_attrs]

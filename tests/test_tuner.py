@@ -317,6 +317,37 @@ def test_progress_line_counts_studies_names_the_current_one_and_estimates_time_l
     assert len(lines) == 1 and lines[0].startswith("progress: 1/3")
 
 
+def test_progress_estimate_takes_recorded_wall_times_and_the_slowest_family_for_new_ones(
+    override, storage
+):
+    """Where the workers recorded a study's wall time (inputs and re-timing included) the
+    estimate uses it; a family with no finished study yet counts as the slowest so far, not
+    as the mean of every study (the decodes, whose trials cost the most, come last)."""
+    from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec
+    from kvgen.tune.plan import Study
+    from kvgen.tune.run import Options, Progress
+
+    def study(spec):
+        space = load_space(spec.template)
+        return Study(spec, space, space.bucket_list()[0])
+
+    kv = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
+    studies = [Study(SPEC, SPACE, {"num_tokens": n}) for n in (16, 4096)]
+    studies += [study(kv), study(StoreKVInt4Spec())]
+    # finished: the MXFP4 store at 16 tokens (two workers, 60 s in all), the int8 store (6 s)
+    for st, wall in ((studies[0], 60.0), (studies[2], 6.0)):
+        tuner.run_study(st.spec, st.bucket, st.space, lambda m: 1.0 + len(str(m)) / 100,
+                        storage=storage, sampler="local", n_trials=5)  # fmt: skip
+        loaded = tuner.load_study(st.spec, st.bucket, storage)
+        tuner.record_wall_time(loaded, "w1", wall / 3)
+        tuner.record_wall_time(loaded, "w2", 2 * wall / 3)
+    line = Progress(studies, storage, Options("sm90", trials=5), 1, lambda _: None).line()
+    assert line.startswith("progress: 2/4 studies done in ")
+    # left: an MXFP4 study (its family's 60 s) and an int4 one (no finished study of its
+    # family: the slowest family's 60 s, not the mean of the finished studies' 33 s)
+    assert "about 2.0 min left" in line, line
+
+
 def _result(meta, t=5.0):
     return tuner.StudyResult(SPEC.name, "num_tokens=65536", meta, t, 2 * t, 10, 1)
 

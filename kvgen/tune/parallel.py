@@ -326,6 +326,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault while re-timing, this worker stops: {exc}")
             return EXIT_FAULT
+        tuner.record_wall_time(study, me, time.monotonic() - t0)
         del evaluate, raw
         _release_memory()
         if deadline is not None and time.monotonic() >= deadline:

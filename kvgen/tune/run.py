@@ -190,8 +190,11 @@ def run(
 class Progress:
     """A line every ``every_s`` seconds while the workers run: studies done, the study now
     being tuned (the first unfinished one: every worker walks the list in order), and the time
-    left, estimated from how long the finished studies of each family took (their trials'
-    timestamps in storage) over the GPUs."""
+    left over the GPUs, estimated from how long the finished studies of each family took (the
+    wall time their workers recorded, inputs and re-timing included; else their trials'
+    timestamps in storage). A family with no finished study yet counts as the slowest family
+    so far: the families come in the order of the list, and the decodes, whose trials cost
+    the most, come last."""
 
     def __init__(self, studies, store, opts: Options, gpus: int, log, every_s: float = 20.0):
         self.studies, self.store, self.gpus, self.log = studies, store, max(1, gpus), log
@@ -218,7 +221,10 @@ class Progress:
             if tuner.done(trials, limit, self.stop):
                 done.append(st)
                 stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
-                if stamps:
+                wall = tuner.wall_time(study)
+                if wall is not None:
+                    seconds.setdefault(st.spec.family, []).append(wall)
+                elif stamps:
                     span = max(t.datetime_complete for t in stamps) - min(
                         t.datetime_start for t in stamps
                     )
@@ -233,8 +239,8 @@ class Progress:
         every = [s for ss in seconds.values() for s in ss]
         if left and every:
             mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
-            overall = sum(every) / len(every)
-            eta = sum(mean.get(st.spec.family, overall) * (1 - frac) for st, frac in left)
+            slowest = max(mean.values())
+            eta = sum(mean.get(st.spec.family, slowest) * (1 - frac) for st, frac in left)
             text += f"; about {eta / self.gpus / 60:.1f} min left"
         return text
 

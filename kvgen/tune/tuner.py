@@ -842,6 +842,22 @@ def claim_confirmation(study: optuna.Study, worker: str, key: str) -> bool:
     return min(claims, key=lambda t: t.number).user_attrs.get("worker") == worker
 
 
+_WALL = "wall_s:"  # + a worker's name: the seconds that worker spent on a study
+
+
+def record_wall_time(study: optuna.Study, worker: str, seconds: float) -> None:
+    """Store on ``study`` the wall time ``worker`` spent on it (building its inputs, its
+    trials, re-timing): what the progress line's estimate of the time left is made of."""
+    study.set_user_attr(f"{_WALL}{worker}", round(seconds, 3))
+
+
+def wall_time(study: optuna.Study) -> float | None:
+    """The wall time the workers recorded on ``study`` (``record_wall_time``), summed over
+    them; None where none was recorded."""
+    spent = [v for k, v in study.user_attrs.items() if k.startswith(_WALL)]
+    return sum(spent) if spent else None
+
+
 def wait_until_finished(study: optuna.Study, timeout_s: float, poll_s: float = 0.2) -> bool:
     """Wait until no trial of ``study`` that counts is running (other workers' last trials);
     False after ``timeout_s``."""
