@@ -90,6 +90,16 @@ def evaluator(spec, bucket):
 
     workers = int(os.environ.get("KVGEN_FAKE_WORKERS", "0"))
     on_gpu = os.environ.get("KVGEN_FAKE_CUDA") == "1"
+    build_fault = os.environ.get("KVGEN_FAKE_BUILD_FAULT")  # a bucket's num_tokens
+    if build_fault and log and str(bucket.get("num_tokens")) == build_fault:
+        marker = f"{log}.build-fault"
+        try:  # the first process to build this bucket's inputs faults there, once
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            pass
+        else:
+            os.close(fd)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     def evaluate(meta):
         global _started

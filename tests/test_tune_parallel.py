@@ -34,13 +34,14 @@ BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
 
 
-def _env(log, sleep=0.02, die_at=0, fault_at=0):
+def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault=""):
     return {
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "KVGEN_FAKE_LOG": str(log),
         "KVGEN_FAKE_SLEEP": str(sleep),
         "KVGEN_FAKE_DIE_AT": str(die_at),
         "KVGEN_FAKE_FAULT_AT": str(fault_at),
+        "KVGEN_FAKE_BUILD_FAULT": build_fault,
     }
 
 
@@ -225,6 +226,24 @@ def test_a_gpu_fault_ends_only_that_worker_and_a_fresh_one_takes_its_gpu(tmp_pat
         assert not study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
         failed += [t for t in study.trials if "worker fault" in tuner.failure(study, t)]
     assert len(failed) == 1
+
+
+def test_a_gpu_fault_while_building_a_study_s_inputs_fails_no_trial(tmp_path):
+    """A CUDA error raised while a worker builds a study's inputs (kernels that write a
+    quantized cache, say) is that phase's: the worker says so and exits, a fresh one builds the
+    inputs again and runs the study, and no trial is failed for it."""
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 10, log, workers=1,
+                               build_fault="65536")  # fmt: skip
+    assert [e.deaths for e in exits if e.deaths] == [[parallel.EXIT_FAULT]], lines
+    assert all(e.returncode == 0 for e in exits), lines
+    assert any("num_tokens=65536: GPU fault while building its inputs, this worker stops"
+               in line for line in lines), lines  # fmt: skip
+    for b in BUCKETS:
+        study = _study(store, b)
+        assert len(tuner.counted(study.trials)) == 10
+        assert not any(tuner.failure(study, t) for t in study.trials if not
+                       t.user_attrs.get("surplus"))  # fmt: skip
 
 
 def test_restarts_are_bounded(tmp_path):

@@ -288,7 +288,14 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
             tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
-        raw = factory(spec, bucket)
+        try:
+            raw = factory(spec, bucket)
+            _wait_for_gpu()  # a fault of the kernels that built the inputs shows here, blamed
+        except Exception as exc:  # on no trial
+            if not any(s in str(exc) for s in _STICKY):
+                raise
+            log(f"{label}: GPU fault while building its inputs, this worker stops: {_fault(exc)}")
+            return EXIT_FAULT
         evaluate = _guarded(raw)
         setup = time.monotonic() - t0
         ran = []
@@ -394,6 +401,14 @@ def _fault(exc: Exception):
     from kvgen.tune import tuner
 
     return tuner.WorkerFault(f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _wait_for_gpu() -> None:
+    """Wait for the work queued on this process's GPU, where it has one (a CUDA error of that
+    work is raised here, not at a later trial's first wait)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _release_memory() -> None:
