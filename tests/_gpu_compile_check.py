@@ -62,19 +62,28 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
         return None
 
 
+def compile_ones(label, fn, types, constexprs, warps=4, aligned=(), **options):
+    """``compile_fn`` with every integer argument 1, which a launch passes as the constant 1
+    (Triton specialises an integer argument equal to 1): a cache of one block, one sequence, one
+    head, a unit stride. Code that calls a tensor's method on such an argument (``n.to(...)``)
+    compiles in the interpreter and for other values, and fails here. ``aligned``: arguments
+    the launcher guarantees are multiples of 16 (never 1), compiled as such."""
+    scalar = ("*", "fp", "tensordesc")
+    ones = {n: 1 for n in fn.arg_names if n not in constexprs and n not in aligned
+            and not types.get(n, "i32").startswith(scalar)}  # fmt: skip
+    return compile_fn(f"{label} (integers 1)", fn, types, {**constexprs, **ones}, warps,
+                      aligned=aligned, **options)  # fmt: skip
+
+
 for spec in (
     StoreMXFP4MLASpec(32, 512, "bf16", "paged"),
     StoreMXFP4MLASpec(64, 448, "fp32", "flat"),
 ):
     words = "*i64" if spec.dtype == "fp32" else "*i32"
+    types = {"words_ptr": words, "slot_ptr": "*i64", "cache_ptr": "*u8"}
     for rows, warps in ((1, 4), (4, 2)):
-        compile_fn(
-            spec.name,
-            load(spec).store_kernel,
-            {"words_ptr": words, "slot_ptr": "*i64", "cache_ptr": "*u8"},
-            {"ROWS": rows},
-            warps,
-        )
+        compile_fn(spec.name, load(spec).store_kernel, types, {"ROWS": rows}, warps)
+    compile_ones(spec.name, load(spec).store_kernel, types, {"ROWS": 4}, 2)
 for spec in (
     StoreMXFP4RopeMLASpec(32, 512, "bf16", "paged", rope=64),
     StoreMXFP4RopeMLASpec(16, 512, "fp32", "flat", rope=64),
@@ -82,12 +91,14 @@ for spec in (
     words = "*i64" if spec.dtype == "fp32" else "*i32"
     types = {"words_ptr": words, "pe_ptr": PTR[spec.dtype], "slot_ptr": "*i64", "cache_ptr": "*u8"}
     compile_fn(spec.name, load(spec).store_kernel, types, {"ROWS": 4}, 2)
+    compile_ones(spec.name, load(spec).store_kernel, types, {"ROWS": 4}, 2)
 for spec in (
     GatherMXFP4RopeMLASpec(32, 512, "bf16", "paged", rope=64),
     GatherMXFP4RopeMLASpec(64, 512, "fp16", "flat", rope=64),
 ):
     types = {"cache_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": PTR[spec.dtype]}
     compile_fn(spec.name, load(spec).gather_kernel, types, {"ROWS": 4})
+    compile_ones(spec.name, load(spec).gather_kernel, types, {"ROWS": 4})
 spec = GatherMXFP4MLASpec(32, 448, "bf16", "paged")
 compile_fn(
     spec.name,
@@ -157,6 +168,7 @@ def compile_store(spec, types, constexprs, inline_align):
     strides = [n for n in fn.arg_names if n.startswith(("stride_kc_", "stride_vc_"))]
     aligned = compile_fn(spec.name, fn, types, align(16), aligned=[*types, *strides])
     inline = compile_fn(spec.name, fn, types, align(inline_align), aligned=types)
+    compile_ones(spec.name, fn, types, align(inline_align))
     no_narrower(f"{spec.name} {constexprs}", aligned, inline, inline_align, "STG")
     no_more_exchanges(f"{spec.name} {constexprs}", aligned, inline, inline_align)
 
@@ -224,12 +236,14 @@ for spec in (
     types["scale_ptr"] = "*fp32"
     for tokens in (1, 4):
         compile_fn(spec.name, load(spec).store_kernel, types, {"TOKENS": tokens})
+    compile_ones(spec.name, load(spec).store_kernel, types, {"TOKENS": 4})
 
 for spec in (GatherMLACacheSpec("fp8", 512, 64, "bf16"), GatherMLACacheSpec("fp8_ds_mla")):
     types = {"cache_ptr": "*u8", "slot_ptr": "*i64", "scale_ptr": "*fp32"}
     types["out_ptr"] = PTR[spec.dtype]
     for rows in (1, 4):
         compile_fn(spec.name, load(spec).gather_kernel, types, {"ROWS": rows})
+    compile_ones(spec.name, load(spec).gather_kernel, types, {"ROWS": 4})
 
 for ds, bh, bn in (
     [(MLADecodeDSMLASpec(576, 512, "bf16"), bh, bn) for bh, bn in ((16, 32), (64, 64))]
@@ -244,6 +258,8 @@ for ds, bh, bn in (
     constexprs = {"CAUSAL": True, "BLOCK_H": bh, "BLOCK_N": bn, "NUM_STAGES": 2}
     constexprs |= {"PAGE_AHEAD": False, "TILE_IN_PAGE": bh == 64, "ONE_KV_HEAD": True}
     compile_fn(ds.name, load(ds).split_kernel, types, constexprs)
+    if bh == 16:
+        compile_ones(ds.name, load(ds).split_kernel, types, constexprs)
     # the combine kernel that checks the block table (the quantized formats' portable variant)
     types = {n: "*i32" for n in ("num_splits_ptr", "block_table_ptr", "seqlens_ptr")}
     types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "out_ptr": PTR[ds.dtype]}
@@ -278,6 +294,7 @@ for gs, words, pow2 in (
     inline = compile_fn(gs.name, fn, types, {**constexprs, "ROW_ALIGN": row},
                         aligned=("k_ptr", "v_ptr"))  # fmt: skip
     no_narrower(f"{gs.name} {constexprs}", aligned, inline, row, "LDG")
+    compile_ones(gs.name, fn, types, {**constexprs, "ROW_ALIGN": 16})
 
 # The GQA decode's Hopper variant (rows: Gluon, integer / e4m3 MMAs): each format, both query
 # dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
@@ -311,9 +328,12 @@ for gs, group, bufs, row_align in (
     # speculative decoding's queries (SQ x G query rows, causal) where they fit N 16
     sq, causal = (4, True) if group == 4 else (2, False) if group == 8 else (1, False)
     n = load(gs).mma_n(sq * group)
-    kernel = compile_fn(f"{gs.name} rows at {row_align} bytes", fn, types,
-                        {"G": group, "N": n, "NUM_BUF": bufs, "ROW_ALIGN": row_align, "SQ": sq,
-                         "CAUSAL": causal}, aligned=aligned)  # fmt: skip
+    constexprs = {"G": group, "N": n, "NUM_BUF": bufs, "ROW_ALIGN": row_align, "SQ": sq,
+                  "CAUSAL": causal}  # fmt: skip
+    kernel = compile_fn(f"{gs.name} rows at {row_align} bytes", fn, types, constexprs,
+                        aligned=aligned)  # fmt: skip
+    if (gs.kv, group) in (("int8", 4), ("fp8e4m3", 8), ("int4", 4)):
+        compile_ones(gs.name, fn, types, constexprs)
     if kernel is not None:
         code = sass(kernel)
         copies, byte_loads = len(re.findall(r"\bLDGSTS\b", code)), code.count("LDG.E.U8")
@@ -337,6 +357,8 @@ for arg, d in zip(("codes_desc", "scale_desc", "rope_desc"), rows_descs, strict=
 for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
     constexprs = {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs, "ORDERED": ordered}
     kernel = compile_fn(ROWS_MLA.name, rows_mod.split_kernel, types, constexprs)
+    if ordered:
+        compile_ones(ROWS_MLA.name, rows_mod.split_kernel, types, constexprs)
     if kernel is not None:
         used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
         if used != [d.block_shape for d in rows_descs]:
@@ -388,25 +410,22 @@ for ds, bn, bufs, in_page, tma in (
         descs[name] = f"tensordesc<{TORCH_TO_TRITON[str(dtype)[6:]]}[{shape}],{layout!r}>"
     for part in ("lat", "scale", "rope"):  # (a part the format lacks: the latent descriptor)
         types[f"k_{part}_desc"] = descs.get(part, descs.get("lat", "*u8"))
-    kernel = compile_fn(
-        ds.name + " roles",
-        mod.split_kernel_roles,
-        types,
-        {
-            # (tiles in a page, not causal: the loader's NaN keys mark a missing page, and the
-            # S warpgroup does not check the table)
-            "CAUSAL": not in_page or bufs == 1,
-            "BLOCK_N": bn,
-            "NUM_BUF": bufs,
-            "TILE_IN_PAGE": in_page,
-            "USE_TMA": tma,
-            "ONE_KV_HEAD": in_page,  # several KV heads where not
-            "FEWEST_BUFFERS": bufs == 1,
-        },
-        warps=4,
-        maxnreg=mod.ROLES_MAXNREG,
-        aligned=WGMMA_ALIGNED,
-    )
+    constexprs = {
+        # (tiles in a page, not causal: the loader's NaN keys mark a missing page, and the S
+        # warpgroup does not check the table)
+        "CAUSAL": not in_page or bufs == 1,
+        "BLOCK_N": bn,
+        "NUM_BUF": bufs,
+        "TILE_IN_PAGE": in_page,
+        "USE_TMA": tma,
+        "ONE_KV_HEAD": in_page,  # several KV heads where not
+        "FEWEST_BUFFERS": bufs == 1,
+    }
+    kernel = compile_fn(ds.name + " roles", mod.split_kernel_roles, types, constexprs, warps=4,
+                        maxnreg=mod.ROLES_MAXNREG, aligned=WGMMA_ALIGNED)  # fmt: skip
+    if not tma and bn == 32:
+        compile_ones(ds.name + " roles", mod.split_kernel_roles, types, constexprs, warps=4,
+                     maxnreg=mod.ROLES_MAXNREG, aligned=WGMMA_ALIGNED)  # fmt: skip
     if kernel is not None and tma:
         # The launcher encodes the i-th descriptor argument with the box the compiled kernel
         # reads through it: the launcher's descriptors must come in the same order.
@@ -453,50 +472,42 @@ for spec in (
                 width = width or spec.head_dim_v  # (no rope: the latent descriptor twice)
                 layout = gl.NVMMASharedLayout.get_default_for([bn, width], GL[spec.dtype])
                 types[arg] = f"tensordesc<{spec.dtype}[{bn}, {width}],{layout!r}>" if tma else dt
-            compile_fn(
-                spec.name + " roles",
-                mod.split_kernel_roles,
-                types,
-                {
-                    "CAUSAL": bn == 32,
-                    "BLOCK_N": bn,
-                    "NUM_BUF": bufs,
-                    "TILE_IN_PAGE": in_page,
-                    "USE_TMA": tma,
-                    "ONE_KV_HEAD": tma or bn == 32,  # several KV heads: cp.async only
-                    "FEWEST_BUFFERS": bufs == 1,
-                },
-                warps=4,
-                maxnreg=mod.ROLES_MAXNREG,
-                aligned=WGMMA_ALIGNED,
-            )
-    for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
-        compile_fn(
-            spec.name,
-            mod.split_kernel,
-            types,
-            {
-                "CAUSAL": True,
-                "BLOCK_H": bh,
+            constexprs = {
+                "CAUSAL": bn == 32,
                 "BLOCK_N": bn,
-                "NUM_STAGES": 2,
-                "PAGE_AHEAD": bh == 16,
-                "TILE_IN_PAGE": bh == 64,
-                "ONE_KV_HEAD": bh == 16,
-            },
-        )
+                "NUM_BUF": bufs,
+                "TILE_IN_PAGE": in_page,
+                "USE_TMA": tma,
+                "ONE_KV_HEAD": tma or bn == 32,  # several KV heads: cp.async only
+                "FEWEST_BUFFERS": bufs == 1,
+            }
+            compile_fn(spec.name + " roles", mod.split_kernel_roles, types, constexprs, warps=4,
+                       maxnreg=mod.ROLES_MAXNREG, aligned=WGMMA_ALIGNED)  # fmt: skip
+            if bn == 32 and spec.head_dim == 576:
+                compile_ones(spec.name + " roles", mod.split_kernel_roles, types, constexprs,
+                             warps=4, maxnreg=mod.ROLES_MAXNREG, aligned=WGMMA_ALIGNED)  # fmt: skip
+    for bh, bn in ((16, 32), (64, 64)) if spec.variant != "wgmma" else ():
+        constexprs = {
+            "CAUSAL": True,
+            "BLOCK_H": bh,
+            "BLOCK_N": bn,
+            "NUM_STAGES": 2,
+            "PAGE_AHEAD": bh == 16,
+            "TILE_IN_PAGE": bh == 64,
+            "ONE_KV_HEAD": bh == 16,
+        }
+        compile_fn(spec.name, mod.split_kernel, types, constexprs)
+        compile_ones(spec.name, mod.split_kernel, types, constexprs)
+    combine_types = {
+        "o_acc_ptr": "*fp32",
+        "lse_acc_ptr": "*fp32",
+        "num_splits_ptr": "*i32",
+        "out_ptr": dt,
+        "lse_ptr": "*fp32",
+    }
     for one_kv_head in (True, False):
-        compile_fn(
-            spec.name,
-            mod.combine_kernel,
-            {
-                "o_acc_ptr": "*fp32",
-                "lse_acc_ptr": "*fp32",
-                "num_splits_ptr": "*i32",
-                "out_ptr": dt,
-                "lse_ptr": "*fp32",
-            },
-            {"BLOCK_H": 16, "BLOCK_V": 128, "ONE_KV_HEAD": one_kv_head},
-        )
+        constexprs = {"BLOCK_H": 16, "BLOCK_V": 128, "ONE_KV_HEAD": one_kv_head}
+        compile_fn(spec.name, mod.combine_kernel, combine_types, constexprs)
+    compile_ones(spec.name, mod.combine_kernel, combine_types, constexprs)
 
 sys.exit(1 if failures else 0)
