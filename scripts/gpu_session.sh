@@ -39,6 +39,9 @@
 #                                  rounds (default 2), each run's output in
 #                                  $out/ab-<side>-<round>.txt: kernel changes timed against
 #                                  their base on one machine
+#   scripts/gpu_session.sh exec -- COMMAND... COMMAND under this checkout's installed kvgen (e.g.
+#                                  python3 -P benchmarks/replay_trials.py ..., or the same
+#                                  under compute-sanitizer), its output in $out/exec-<day>.txt
 #   scripts/gpu_session.sh protos  the keys-as-rows experiments (benchmarks/proto_keys_as_rows.py,
 #                                  proto_gqa_keys_as_rows.py) at their best configs so far, each
 #                                  beside kvgen's decodes in its process, with their JSON
@@ -193,9 +196,15 @@ case "${1:-tests}" in
       --splits 1,2 --bufs 3 --json "$out/proto-gqa-keys-as-rows-$day.json" 2>&1 |
       grep "^h=" || rc=1
     ;;
+  exec)
+    shift
+    [ "${1:-}" = "--" ] && shift
+    [ $# -gt 0 ] || { echo "usage: $0 exec -- COMMAND..." >&2; exit 2; }
+    "$@" 2>&1 | tee "$out/exec-$day.txt" | tail -n 60 || rc=1
+    ;;
   *)
-    echo "usage: $0 tests|bench|tune [seconds]|compare B [A]|family F [NAME...]|" \
-      "ab TAR[,TAR...] [N] -- ARGS...|protos" >&2
+    echo "usage: $0 tests|fuzz [N]|bench|tune [seconds]|compare B [A]|family F [NAME...]|" \
+      "ab TAR[,TAR...] [N] -- ARGS...|protos|exec -- COMMAND..." >&2
     exit 2
     ;;
 esac
