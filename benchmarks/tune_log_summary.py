@@ -6,7 +6,8 @@ cached in the worker; and each study's re-timing).
 
 "first check" holds each study's reference (made once a problem), "check" the other checks,
 where a config's first launch in the worker compiles it (unless the compile pool had) or loads
-its binary; "compiled" counts the kernels the worker compiled itself.
+its binary; "compiled" counts the kernels the worker compiled itself, and "compiling" the
+seconds those compiles took, within the checks and the timing (logs that say so).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ STUDY = re.compile(
 RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
 PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
 COLUMNS = ("studies", "trials", "total", "building inputs", "first check", "check", "timing",
-           "re-timing", "compiled", "cached")  # fmt: skip
+           "re-timing", "compiled", "cached", "compiling")  # fmt: skip
 
 
 def summarize(lines) -> dict[str, dict[str, float]]:

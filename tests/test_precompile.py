@@ -149,14 +149,18 @@ def test_the_trials_count_compiles_and_cache_hits_through_triton_s_listener(monk
     seen = []
     monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: seen.append(kw["cache_hit"]))
     monkeypatch.setattr(problems, "COMPILES", {"compiled": 0, "cached": 0})
+    monkeypatch.setattr(problems, "COMPILE_SECONDS", [0.0])
     problems.listen_to_compiles()
     listen = knobs.compilation.listener
     problems.listen_to_compiles()  # once: a second call chains nothing more
     assert knobs.compilation.listener is listen
-    for hit in (False, True, True):
-        listen(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
-    assert problems.COMPILES == {"compiled": 1, "cached": 2}
-    assert seen == [False, True, True]  # the listener before it still hears every compile
+    took = knobs.CompileTimes(ir_initialization=500_000, lowering_stages=[("ptx", 1_000_000)],
+                              store_results=0)  # (microseconds)  # fmt: skip
+    for hit, times in ((False, took), (True, took), (True, None), (False, None)):
+        listen(src=None, metadata={}, metadata_group={}, times=times, cache_hit=hit)
+    assert problems.COMPILES == {"compiled": 2, "cached": 2}
+    assert problems.COMPILE_SECONDS == [1.5]  # the compiles' time, not the cache hits'
+    assert seen == [False, True, True, False]  # the listener before it hears every compile
 
 
 def test_compile_all_takes_a_benchmark_s_candidates_at_one_bucket(tmp_path, monkeypatch):

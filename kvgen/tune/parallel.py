@@ -325,6 +325,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             f"({setup:.1f} s building inputs"
             + "".join(f", {v:.1f} s {k}" for k, v in split.items())
             + "".join(f", {v} kernels {k}" for k, v in counts.items())
+            + (f", {raw.compiling[0]:.1f} s compiling" if hasattr(raw, "compiling") else "")
             + f"); study best so far {best}"
             + ("; stopped: no more gain" if r.stopped_early else "")
         )

@@ -43,9 +43,14 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     seconds = {"first check": 0.0, "check": 0.0, "timing": 0.0}
     listen_to_compiles()
     drop_ptx_dumps()  # (a failed compile is the trial's failure, ptxas' lines its reason)
-    start = dict(COMPILES)
+    start, start_s = dict(COMPILES), COMPILE_SECONDS[0]
     counts = dict.fromkeys(COMPILES, 0)  # this problem's: kernels compiled / found cached
+    compiling = [0.0]  # this problem's seconds of Triton compiling (within check and timing)
     checked = []
+
+    def tally():
+        counts.update({k: v - start[k] for k, v in COMPILES.items()})
+        compiling[0] = COMPILE_SECONDS[0] - start_s
 
     trial_settle = float(os.environ.get("KVGEN_TUNE_TRIAL_SETTLE_MS", TRIAL_SETTLE_MS))
 
@@ -55,7 +60,7 @@ def gpu_evaluator(spec, bucket, device="cuda"):
         t1 = time.perf_counter()
         seconds["check" if checked else "first check"] += t1 - t0
         checked.append(1)
-        counts.update({k: v - start[k] for k, v in COMPILES.items()})
+        tally()
         if not ok:
             raise TrialFailed("wrong result")
         # Size the graph to the kernel: at least ~0.5 ms of work per graph and ~20 ms per
@@ -68,6 +73,7 @@ def gpu_evaluator(spec, bucket, device="cuda"):
             settle_ms=trial_settle if settle_ms is None else settle_ms,
         )  # fmt: skip
         seconds["timing"] += time.perf_counter() - t1
+        tally()  # (a timed set's launch may be a binary of its own)
         return us
 
     def confirm(meta):
@@ -76,16 +82,19 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     evaluate.confirm = confirm
     evaluate.seconds = seconds
     evaluate.counts = counts
+    evaluate.compiling = compiling
     return evaluate
 
 
 COMPILES = {"compiled": 0, "cached": 0}  # this process's Triton compiles, once listened to
+COMPILE_SECONDS = [0.0]  # and the seconds its compiles (not the cache hits) took
 
 
 def listen_to_compiles() -> None:
     """Count this process's Triton compiles in ``COMPILES`` from now on (``compiled``: built
-    here; ``cached``: found in Triton's cache on disk, e.g. compiled ahead by another process),
-    through Triton's compilation listener (chained to one already set; installed once)."""
+    here; ``cached``: found in Triton's cache on disk, e.g. compiled ahead by another process)
+    and the seconds the compiles took in ``COMPILE_SECONDS``, through Triton's compilation
+    listener (chained to one already set; installed once)."""
     from triton import knobs
 
     before = knobs.compilation.listener
@@ -94,6 +103,8 @@ def listen_to_compiles() -> None:
 
     def listen(*, src, metadata, metadata_group, times, cache_hit):
         COMPILES["cached" if cache_hit else "compiled"] += 1
+        if not cache_hit and times is not None:
+            COMPILE_SECONDS[0] += times.total / 1e6  # (microseconds)
         if before is not None:
             before(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
                    cache_hit=cache_hit)  # fmt: skip
