@@ -16,7 +16,10 @@
 #                                  too), so the same command on the same machine, or on another
 #                                  with that file in build/tune/, resumes where the last one
 #                                  stopped (a run longer than one call). KVGEN_TUNE_ARGS: more
-#                                  options.
+#                                  options (e.g. a 40-trial TPE baseline: --sampler tpe
+#                                  --patience 0); KVGEN_TUNE_JOURNAL and KVGEN_TUNE_OUT: another
+#                                  journal file and tuned_configs folder (default
+#                                  /tmp/kvgen-tuned), so that such a run keeps its own studies.
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
@@ -112,18 +115,20 @@ case "${1:-tests}" in
     python3 -P -m kvgen show sm90 --plot "$out/tuned-sm90.png" >/dev/null || rc=1
     ;;
   tune)
-    mkdir -p build/tune
+    journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
+    mkdir -p "$(dirname "$journal")"
     start=$(date +%s)
     # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
-    tuned=/tmp/kvgen-tuned  # (one JSON a family: more files than a device call brings back)
-    python3 -P -m kvgen tune --arch sm90 --storage build/tune/sm90.journal --out "$tuned" \
+    # (one JSON a family: more files than a device call brings back)
+    tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
+    python3 -P -m kvgen tune --arch sm90 --storage "$journal" --out "$tuned" \
       --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
     echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
     [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-sm90.tar" sm90
     # the studies come back with the results: put the file in build/tune/ of the next
     # machine's checkout (e.g. a carried folder) to resume there
-    cp build/tune/sm90.journal "$out/" 2>/dev/null || true
+    cp "$journal" "$out/" 2>/dev/null || true
     ;;
   compare)
     [ -n "${2:-}" ] || { echo "usage: $0 compare B [A]" >&2; exit 2; }
