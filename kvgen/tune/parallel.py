@@ -292,7 +292,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             raw = factory(spec, bucket)
             _wait_for_gpu()  # a fault of the kernels that built the inputs shows here, blamed
         except Exception as exc:  # on no trial
-            if not any(s in str(exc) for s in _STICKY):
+            if not _sticky(exc):
                 raise
             log(f"{label}: GPU fault while building its inputs, this worker stops: {_fault(exc)}")
             return EXIT_FAULT
@@ -391,11 +391,16 @@ def _guarded(evaluate):
         try:
             return evaluate(meta)
         except Exception as exc:
-            if any(s in str(exc) for s in _STICKY):
+            if _sticky(exc):
                 raise _fault(exc) from exc
             raise
 
     return run
+
+
+def _sticky(exc: Exception) -> bool:
+    """Whether ``exc`` is a CUDA error after which this process's context is unusable."""
+    return any(s in str(exc) for s in _STICKY)
 
 
 def _fault(exc: Exception):

@@ -220,8 +220,8 @@ class Progress:
             finished = tuner.finished(trials)
             if tuner.done(trials, limit, self.stop):
                 done.append(st)
-                stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
                 wall = tuner.wall_time(study)
+                stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
                 if wall is not None:
                     seconds.setdefault(st.spec.family, []).append(wall)
                 elif stamps:
@@ -236,8 +236,7 @@ class Progress:
         if left:
             st = left[0][0]
             text += f"; now {st.spec.name} @ {tuner.bucket_key(st.bucket)}"
-        every = [s for ss in seconds.values() for s in ss]
-        if left and every:
+        if left and seconds:
             mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
             slowest = max(mean.values())
             eta = sum(mean.get(st.spec.family, slowest) * (1 - frac) for st, frac in left)
