@@ -3,16 +3,17 @@ find which launch a GPU fault comes from (a tune reports a fault at the next cal
 the GPU, often a later trial's).
 
     python benchmarks/replay_trials.py VARIANT --rows 16,32,64,128 [--rounds N] [--quick]
-        [--meta '{"block_n": 32, "num_stages": 2, "split_factor": 1}' ...]
+        [--meta '{"block_n": 32, "num_stages": 2, "split_factor": 1}' ... | --all]
 
 For each round and each bucket ``rows=R`` it builds the family's tuning problem as a worker
 does (``kvgen.tune.problems.problem``), then for each config (default: the variant's default
-config and the bucket's tuned config from ``tuned_configs/``) makes a trial's launches: the
-check, then each timed input set, then (without ``--quick``) a full trial (``gpu_evaluator``), each
-followed by ``torch.cuda.synchronize()``; it prints one line a launch and stops at the first
-error, naming the round, the bucket, the config and the launch. ``--quick`` makes only one
-launch of each kind: short enough to run under ``compute-sanitizer --tool memcheck``, which
-reports an access outside a tensor even where it does not fault.
+config and the bucket's tuned config from ``tuned_configs/``; ``--all``: every feasible config
+of the variant's search space at that bucket) makes a trial's launches: the check, then each
+timed input set, then (without ``--quick``) a full trial (``gpu_evaluator``), each followed by
+``torch.cuda.synchronize()``; it prints one line a launch and stops at the first error, naming
+the round, the bucket, the config and the launch. ``--quick`` makes only one launch of each
+kind: short enough to run under ``compute-sanitizer --tool memcheck``, which reports an access
+outside a tensor even where it does not fault.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one launch of each kind (sanitizer)")
     ap.add_argument("--meta", action="append", default=[], help="a config as JSON (repeatable)")
+    ap.add_argument("--all", action="store_true", help="every feasible config of the space")
     args = ap.parse_args(argv)
 
     import torch
 
     from kvgen import registry
     from kvgen.runtime import meta_params
+    from kvgen.space import load_space
     from kvgen.tune import problems
 
     (spec,) = registry.lookup([args.variant], "sm90", "gpu")
@@ -44,7 +47,9 @@ def main(argv=None) -> int:
     for rnd in range(args.rounds):
         for bucket in buckets:
             metas = [json.loads(m) for m in args.meta]
-            if not metas:
+            if args.all:
+                metas = load_space(spec.template).feasible(spec, bucket)
+            elif not metas:
                 metas = [spec.default_meta(**bucket)]
                 tuned = meta_params(spec, **bucket)  # (the defaults where none is tuned)
                 if tuned not in metas:
