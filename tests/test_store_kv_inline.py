@@ -64,18 +64,26 @@ def test_a_row_align_bucket_takes_its_own_config_or_else_the_nearest_tuned_one(
     spec = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
     doc = json.loads((tuned_configs_dir() / "sm90" / f"{spec.family}.json").read_text())
     entries = doc["entries"][spec.name]
-    own = entries["num_tokens=65536,num_heads=8,row_align=4"]["meta"]
-    got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
-    assert {k: got[k] for k in own} == own
-    # a JSON without the row_align 4 buckets: the nearest bucket's config
-    doc["entries"] = {spec.name: {k: e for k, e in entries.items() if "row_align=16" in k}}
+    aligned, inline = (
+        "num_tokens=65536,num_heads=8,row_align=16",
+        "num_tokens=65536,num_heads=8,row_align=4",
+    )
+    # the packaged JSON with the two buckets' configs made to differ (so that the lookup shows
+    # which one it took), then without the row_align 4 buckets
+    want = entries[aligned]["meta"]
+    own = {**want, "num_warps": 4 if want["num_warps"] != 4 else 2}
+    entries[inline] = {**entries[inline], "meta": own}
     (tmp_path / "sm90").mkdir()
-    (tmp_path / "sm90" / f"{spec.family}.json").write_text(json.dumps(doc))
+    path = tmp_path / "sm90" / f"{spec.family}.json"
     monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
-    configs.reset()
     try:
-        want = entries["num_tokens=65536,num_heads=8,row_align=16"]["meta"]
-        assert want != own  # (so that the lookup shows which one it took)
+        path.write_text(json.dumps(doc))
+        configs.reset()
+        got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
+        assert {k: got[k] for k in own} == own
+        doc["entries"] = {spec.name: {k: e for k, e in entries.items() if "row_align=16" in k}}
+        path.write_text(json.dumps(doc))
+        configs.reset()
         got = configs.meta_params(spec, num_tokens=65536, num_heads=8, row_align=4)
         assert {k: got[k] for k in want} == want
     finally:
