@@ -1,7 +1,13 @@
 """Compile representative generated kernels for sm90 with Triton's real GPU pipeline (PTX, then
 its bundled ptxas): run by tests/test_gpu_compile.py in a process without TRITON_INTERPRET, so
-that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on any failure."""
+that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on any failure.
 
+With KVGEN_PTX_DIR set, each kernel's PTX (its debug sections, which name the cache's paths,
+cut) is written there, a file per (label, constexprs) whose first line names them:
+``benchmarks/ptx_compare.py`` compares two such folders, e.g. of a change's base and head, to
+show which kernels a change to the templates changed at all."""
+
+import hashlib
 import os
 import re
 import subprocess
@@ -55,11 +61,25 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
         )
         assert kernel.asm["cubin"]
         print(f"ok   {label} {constexprs}")
+        keep_ptx(label, constexprs, kernel.asm["ptx"])
         return kernel
     except Exception as exc:  # report every kernel, then fail
         failures += 1
         print(f"FAIL {label} {constexprs}: {str(exc)[-800:]}")
         return None
+
+
+def keep_ptx(label, constexprs, ptx: str) -> None:
+    """Write ``ptx`` under KVGEN_PTX_DIR (when set), cut before its first debug section."""
+    folder = os.environ.get("KVGEN_PTX_DIR")
+    if not folder:
+        return
+    name = f"{label} {sorted(constexprs.items())}"
+    lines = ptx.splitlines()
+    cut = next((i for i, line in enumerate(lines) if re.match(r"\s*\.section\s+\.debug", line)),
+               len(lines))  # fmt: skip
+    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.ptx"
+    path.write_text(f"// {name}\n" + "\n".join(lines[:cut]) + "\n")
 
 
 def compile_ones(label, fn, types, constexprs, warps=4, aligned=(), **options):
