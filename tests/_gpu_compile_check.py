@@ -89,8 +89,9 @@ def compile_ones(label, fn, types, constexprs, warps=4, aligned=(), **options):
     compiles in the interpreter and for other values, and fails here. ``aligned``: arguments
     the launcher guarantees are multiples of 16 (never 1), compiled as such."""
     scalar = ("*", "fp", "tensordesc")
+    kept = {p.name for p in fn.params if p.do_not_specialize}  # (never made constants)
     ones = {n: 1 for n in fn.arg_names if n not in constexprs and n not in aligned
-            and not types.get(n, "i32").startswith(scalar)}  # fmt: skip
+            and n not in kept and not types.get(n, "i32").startswith(scalar)}  # fmt: skip
     return compile_fn(f"{label} (integers 1)", fn, types, {**constexprs, **ones}, warps,
                       aligned=aligned, **options)  # fmt: skip
 
@@ -529,5 +530,25 @@ for spec in (
         constexprs = {"BLOCK_H": 16, "BLOCK_V": 128, "ONE_KV_HEAD": one_kv_head}
         compile_fn(spec.name, mod.combine_kernel, combine_types, constexprs)
     compile_ones(spec.name, mod.combine_kernel, combine_types, constexprs)
+
+# A kernel argument computed from host tuning parameters (the [host] params of a template's
+# space: one compile serves all of their values, which the tuner's compile pool relies on) is
+# not specialised, or each of its values' classes (1, a multiple of 16, other) is a binary of
+# its own: the pieces a sequence is cut into, from split_factor and piece_tiles.
+for spec in (
+    GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu"),
+    GQADecodeSpec(128, 128, "bf16", "int4", 32, "portable", "sm90", "gpu"),
+    GQADecodeSpec(128, 128, "fp16", "fp8e4m3", 0, "rows", "sm90", "gpu"),
+    GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu"),
+    MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"),
+):
+    mod = load(spec)
+    for kernel in (mod.split_kernel, mod.combine_kernel):
+        param = kernel.params[kernel.arg_names.index("splits")]
+        if param.do_not_specialize:
+            print(f"ok   {spec.name} {kernel.fn.__name__}: splits not specialised")
+        else:
+            failures += 1
+            print(f"FAIL {spec.name} {kernel.fn.__name__}: splits is specialised (1 / 16 / other)")
 
 sys.exit(1 if failures else 0)
