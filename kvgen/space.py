@@ -115,6 +115,9 @@ class Space:
     # Parameters that only the host code reads (a split policy): points that differ in them
     # alone run the same compiled kernels ([host] params = [...] in the space file).
     host: tuple[str, ...] = ()
+    # Bucket sizes the kernels are compiled for (a constexpr comes from them): each value of
+    # these compiles binaries of its own ([compile] per_bucket = [...] in the space file).
+    per_bucket: tuple[str, ...] = ()
 
     def points(self) -> list[dict[str, Any]]:
         """Every combination of parameter values (the exhaustive grid)."""
@@ -221,10 +224,13 @@ def load_space(template: str) -> Space:
         constraints = dict(doc.get("constraints", {}))
         bucket_constraints = dict(doc.get("bucket_constraints", {}))
         host = tuple(doc.get("host", {}).get("params", ()))
+        per_bucket = tuple(doc.get("compile", {}).get("per_bucket", ()))
     except (KeyError, TypeError, AttributeError) as exc:
         raise SpaceError(f"{path}: needs [params] and [buckets] tables ({exc})") from None
     if not params or any(not v for v in params.values()):
         raise SpaceError(f"{path}: every parameter needs at least one value")
     if unknown := [h for h in host if h not in params]:
         raise SpaceError(f"{path}: [host] names {unknown}, which are not parameters")
-    return Space(template, params, buckets, constraints, bucket_constraints, host)
+    if unknown := [b for b in per_bucket if b not in buckets]:
+        raise SpaceError(f"{path}: [compile] per_bucket names {unknown}, which are not buckets")
+    return Space(template, params, buckets, constraints, bucket_constraints, host, per_bucket)

@@ -181,6 +181,40 @@ def test_buckets_fall_into_the_classes_triton_specialises_their_sizes_by():
     # vLLM's inline-scale rows are a class of their own
     a = {"num_tokens": 4096, "num_heads": 8, "row_align": 16}
     assert cls(a) != cls({**a, "row_align": 4}) and cls(a) == cls({**a, "num_tokens": 256})
+    # a size the kernels take as a constexpr ([compile] per_bucket) counts by value
+    assert cls({"rows": 4}) == cls({"rows": 8}) and cls({"rows": 16}) == cls({"rows": 32})
+    assert cls({"rows": 4}, ("rows",)) != cls({"rows": 8}, ("rows",))
+    assert cls({"rows": 16, "n": 32}, ("rows",)) == cls({"rows": 16, "n": 64}, ("rows",))
+
+
+def test_the_gqa_rows_variant_compiles_at_every_bucket_the_portable_one_at_one_a_class(
+    monkeypatch,
+):
+    """The compile pool's plan (``kvgen tune``'s ``_precompile``): the rows variant's G and N
+    are constexprs from the bucket's rows ([compile] per_bucket), so each of its buckets is a
+    class of its own; the portable variant's rows 4 and 8 (and 16 and 32) compile alike."""
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.space import load_space
+    from kvgen.tune import run as tune_run
+
+    rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
+    portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    assert load_space(rows.template).per_bucket == ("rows",)
+    assert load_space(portable.template).per_bucket == ()
+
+    class Study:
+        def __init__(self, spec, bucket):
+            self.spec, self.space, self.bucket = spec, load_space(spec.template), bucket
+
+    studies = [Study(s, b) for s in (rows, portable) for b in load_space(s.template).bucket_list()]
+    captured = []
+    monkeypatch.setattr(tune_run.tuner, "study_done", lambda *a, **k: False)
+    monkeypatch.setattr(tune_run.tuner, "incumbent", lambda spec, bucket: None)
+    monkeypatch.setattr(precompile, "precompile", lambda tasks, *a, **k: captured.extend(tasks))
+    tune_run._precompile(studies, None, tune_run.Options("sm90"), 2, log=lambda line: None)
+    at = {(t.spec.variant, t.bucket["rows"]) for t in captured}
+    assert {r for v, r in at if v == "rows"} == {4, 8, 16}
+    assert len({r for v, r in at if v == "portable"}) == 2  # one bucket of {4, 8}, {16, 32}
 
 
 COMPILE_ONLY_SCRIPT = """

@@ -590,6 +590,14 @@ def test_host_parameters_share_one_compile(tmp_path, monkeypatch):
     try:
         with pytest.raises(SpaceError, match="not parameters"):
             load_space("t.py.j2")
+        # likewise a [compile] per_bucket size that is not a bucket
+        bad.write_text('[params]\na = [1]\n[buckets]\nn = [1]\n[compile]\nper_bucket = ["m"]\n')
+        load_space.cache_clear()
+        with pytest.raises(SpaceError, match="not buckets"):
+            load_space("t.py.j2")
+        bad.write_text('[params]\na = [1]\n[buckets]\nn = [1]\n[compile]\nper_bucket = ["n"]\n')
+        load_space.cache_clear()
+        assert load_space("t.py.j2").per_bucket == ("n",)
     finally:
         load_space.cache_clear()
 

@@ -74,14 +74,19 @@ def plan(entries, chunk: int = CHUNK) -> list[Task]:
     return tasks
 
 
-def compile_class(bucket: dict[str, int]) -> tuple:
+def compile_class(bucket: dict[str, int], per_bucket: tuple[str, ...] = ()) -> tuple:
     """The class of ``bucket`` whose launches Triton compiles alike, as far as its sizes tell:
     Triton specialises an integer argument by whether it is 1 and whether it is a multiple of
     16, and a pointer by 16-byte alignment, so 1 token, 4 tokens and 16-65536 tokens differ in
     binaries, and so do vLLM's inline-scale rows (``row_align`` 4 or 8) and 16-byte aligned
-    ones. Sizes passed to a kernel as products of the bucket's (units = tokens x heads) can
-    still differ within a class: those compile in their trials."""
-    return tuple((k, 1 if v == 1 else 16 if v % 16 == 0 else 0) for k, v in bucket.items())
+    ones. The sizes of ``per_bucket`` (a space's ``[compile] per_bucket``: a constexpr of the
+    kernels comes from them) count by value. Sizes passed to a kernel as products of the
+    bucket's (units = tokens x heads) can still differ within a class: those compile in their
+    trials."""
+    return tuple(
+        (k, v if k in per_bucket else 1 if v == 1 else 16 if v % 16 == 0 else 0)
+        for k, v in bucket.items()
+    )
 
 
 def cuda_checker(spec, bucket):

@@ -288,7 +288,7 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
         # studies' start points and their neighbourhood, compiled at one of its buckets
         classes: dict[tuple, list[Study]] = {}
         for st in left:
-            classes.setdefault(precompile.compile_class(st.bucket), []).append(st)
+            classes.setdefault(precompile.compile_class(st.bucket, space.per_bucket), []).append(st)
         for sts in classes.values():
             bucket = sts[len(sts) // 2].bucket
             entries.append((spec, space, bucket, start_points(sts), radius))
