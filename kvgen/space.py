@@ -96,11 +96,17 @@ def evaluate(expr: str, names: dict[str, Any]) -> Any:
             return _FUNCS[node.func.id](*[ev(a) for a in node.args])
         raise SpaceError(f"{ast.dump(node)[:60]} is not allowed in constraint {expr!r}")
 
+    return ev(_parse(expr))
+
+
+@cache
+def _parse(expr: str) -> ast.Expression:
+    """``expr``'s syntax tree, parsed once (a tuner evaluates each constraint at every point of
+    a space, for every study: parsing was most of that time)."""
     try:
-        tree = ast.parse(expr, mode="eval")
+        return ast.parse(expr, mode="eval")
     except SyntaxError as exc:
         raise SpaceError(f"constraint {expr!r} is not an expression: {exc}") from None
-    return ev(tree)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,8 @@ class Space:
     # Bucket sizes the kernels are compiled for (a constexpr comes from them): each value of
     # these compiles binaries of its own ([compile] per_bucket = [...] in the space file).
     per_bucket: tuple[str, ...] = ()
+    # feasible()'s answers, by (spec, bucket): every study asks several times
+    _feasible: dict = field(default_factory=dict, compare=False, repr=False)
 
     def points(self) -> list[dict[str, Any]]:
         """Every combination of parameter values (the exhaustive grid)."""
@@ -137,7 +145,14 @@ class Space:
     ) -> list[str]:
         """Names of the constraints ``meta`` breaks for ``spec`` (empty: it may be compiled),
         and with ``bucket`` also the bucket constraints (empty: it is worth timing there)."""
-        names = {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch], **meta}
+        return self._broken(self._names(spec), meta, bucket)
+
+    def _names(self, spec) -> dict[str, Any]:
+        """What a constraint may name besides the parameters and the bucket's sizes."""
+        return {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch]}
+
+    def _broken(self, base: dict[str, Any], meta, bucket) -> list[str]:
+        names = {**base, **meta}
         checks = dict(self.constraints)
         if bucket is not None:
             names.update(bucket)
@@ -146,7 +161,11 @@ class Space:
 
     def feasible(self, spec, bucket: dict[str, int] | None = None) -> list[dict[str, Any]]:
         """The grid points that break no constraint for ``spec`` (and ``bucket``)."""
-        return [m for m in self.points() if not self.violations(spec, m, bucket)]
+        key = (spec, None if bucket is None else tuple(sorted(bucket.items())))
+        if key not in self._feasible:
+            base = self._names(spec)
+            self._feasible[key] = [m for m in self.points() if not self._broken(base, m, bucket)]
+        return [dict(m) for m in self._feasible[key]]
 
     def compile_points(self, spec) -> list[dict[str, Any]]:
         """The feasible points, one for each set of compiled kernels: the first of those that

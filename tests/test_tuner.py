@@ -602,6 +602,20 @@ def test_host_parameters_share_one_compile(tmp_path, monkeypatch):
         load_space.cache_clear()
 
 
+def test_feasible_points_are_remembered_and_handed_out_as_copies():
+    """A space answers feasible() once for each (spec, bucket) (a tuner asks at every study);
+    a caller that changes a point it got changes no later answer."""
+    from kvgen.families.gqa_decode import GQADecodeSpec
+
+    gqa = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    space = load_space(gqa.template)
+    first = space.feasible(gqa, {"rows": 4})
+    want = [m for m in space.points() if not space.violations(gqa, m, {"rows": 4})]
+    assert first == want and space.feasible(gqa) != first  # (the bucket's own constraints)
+    first[0]["block_h"] = -1
+    assert space.feasible(gqa, {"rows": 4}) == want
+
+
 def test_constraint_language_is_closed():
     assert evaluate("is_pow2(a) and a * 2 <= b", {"a": 4, "b": 8})
     for bad in ("__import__('os')", "a.b", "[1][0]", "open('x')"):
