@@ -52,8 +52,17 @@ def test_each_launch_is_waited_on_and_the_first_fault_is_named(monkeypatch, caps
 
 
 def test_no_fault_over_every_round(monkeypatch, capsys):
+    from kvgen import registry
+    from kvgen.runtime import meta_params
+
     done = _fake(monkeypatch, fault_at=None)
     assert replay.main([VARIANT, "--rows", "16", "--rounds", "2", "--quick"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("no fault")
-    # the default config and the tuned one (the same here: one config), three launches a round
-    assert len(done) == 2 * 3
+    # the default config and the tuned one (once where they are the same), three launches each
+    (spec,) = registry.lookup([VARIANT], "sm90", "gpu")
+    configs = [spec.default_meta(rows=16)]
+    configs += [m for m in [meta_params(spec, rows=16)] if m not in configs]
+    assert len(done) == 2 * 3 * len(configs)
+    assert [n for _, n, _ in done[: 3 * len(configs)]] == [
+        m["num_stages"] for m in configs for _ in range(3)
+    ]
