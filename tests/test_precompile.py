@@ -130,6 +130,19 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert out == {} and not log.exists()  # past the deadline: nothing compiles
     assert "left to the trials" in lines[-2]
 
+    # a variant whose studies are all done (the progress monitor's file): its tasks are skipped
+    log.unlink(missing_ok=True)
+    finished = str(tmp_path / "finished-variants")
+    precompile.write_finished_variants(finished, [KV.name])
+    lines.clear()
+    out = precompile.precompile(tasks, 2, progress=lines.append, finished=finished,
+                                checker="_fake_tuning:compile_checker")  # fmt: skip
+    assert sorted(out) == sorted(m for m in metas if m[0] == MXFP4.name)
+    assert {c.split()[1].split("#")[0] for c in log.read_text().splitlines()} == {MXFP4.name}
+    skipped = sum(len(t.metas) for t in tasks if t.spec == KV)
+    assert f"{skipped} skipped: their variant's studies were done" in lines[-2]
+    assert "left to the trials" not in lines[-2]
+
     monkeypatch.setenv("KVGEN_FAKE_NO_PROBLEM", KV.name)  # a problem that cannot be built
     out = precompile.precompile(tasks, 2, checker="_fake_tuning:compile_checker")
     assert sorted(out) == sorted(metas)  # the pool goes on

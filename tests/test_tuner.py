@@ -318,11 +318,12 @@ def test_progress_line_counts_studies_names_the_current_one_and_estimates_time_l
 
 
 def test_progress_estimate_takes_recorded_wall_times_and_the_slowest_family_for_new_ones(
-    override, storage
+    override, storage, tmp_path
 ):
     """Where the workers recorded a study's wall time (inputs and re-timing included) the
     estimate uses it; a family with no finished study yet counts as the slowest so far, not
-    as the mean of every study (the decodes, whose trials cost the most, come last)."""
+    as the mean of every study (the decodes, whose trials cost the most, come last). The
+    monitor writes the variants whose studies are all done for the compile pool to skip."""
     from kvgen.families.per_token_head import StoreKVInt4Spec, StoreKVPerTokenHeadSpec
     from kvgen.tune.plan import Study
     from kvgen.tune.run import Options, Progress
@@ -341,11 +342,18 @@ def test_progress_estimate_takes_recorded_wall_times_and_the_slowest_family_for_
         loaded = tuner.load_study(st.spec, st.bucket, storage)
         tuner.record_wall_time(loaded, "w1", wall / 3)
         tuner.record_wall_time(loaded, "w2", 2 * wall / 3)
-    line = Progress(studies, storage, Options("sm90", trials=5), 1, lambda _: None).line()
+    from kvgen.tune.precompile import finished_variants
+
+    finished = str(tmp_path / "finished-variants")
+    progress = Progress(studies, storage, Options("sm90", trials=5), 1, lambda _: None,
+                        finished=finished)  # fmt: skip
+    line = progress.line()
     assert line.startswith("progress: 2/4 studies done in ")
     # left: an MXFP4 study (its family's 60 s) and an int4 one (no finished study of its
     # family: the slowest family's 60 s, not the mean of the finished studies' 33 s)
     assert "about 2.0 min left" in line, line
+    # the int8 store's one study is done; the MXFP4 store has one of two left
+    assert finished_variants(finished) == {kv.name}
 
 
 def _result(meta, t=5.0):

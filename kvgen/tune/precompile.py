@@ -27,6 +27,7 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvgen.space import bucket_key
@@ -181,12 +182,32 @@ def _check_for(task: Task, checker: str) -> Callable:
     return _checks[key]
 
 
-def _run(args: tuple[Task, float | None, str]) -> tuple[int, dict[str, str], float]:
-    task, stop, checker = args
+def finished_variants(path: str | None) -> set[str]:
+    """The variants named in the file at ``path`` (one a line): those whose studies the
+    workers have all finished, which ``kvgen tune``'s progress monitor writes (none: no file)."""
+    try:
+        return set(Path(path).read_text().split()) if path else set()
+    except OSError:
+        return set()
+
+
+def write_finished_variants(path: str, names) -> None:
+    """Write ``finished_variants``' file at once (the pool's processes read it any time)."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text("".join(f"{n}\n" for n in sorted(names)))
+    tmp.replace(path)
+
+
+def _run(
+    args: tuple[Task, float | None, str, str | None],
+) -> tuple[int, dict[str, str] | None, float]:
+    task, stop, checker, finished = args
     out: dict[str, str] = {}
     t0 = time.monotonic()
     if stop is not None and time.time() >= stop:  # the rest compiles when a trial needs it
         return task.ring, out, 0.0
+    if task.spec.name in finished_variants(finished):  # no trial of it is left to need it
+        return task.ring, None, 0.0
     try:
         check = _check_for(task, checker)
     except Exception as exc:  # (out of memory, say): the trials will build it and say so
@@ -211,6 +232,7 @@ def precompile(
     checker: str = DEFAULT_CHECKER,
     no_launch: bool = False,
     cancel=None,
+    finished: str | None = None,
 ) -> dict[tuple[str, str], str]:
     """Compile and check the ``tasks``' candidates in one pool of ``jobs`` processes (spawned,
     each with its own CUDA context on the current GPU), taken in order, none started after
@@ -218,7 +240,9 @@ def precompile(
     for a (spec, bucket). ``no_launch``: the pool's Triton launches compile only
     (``compile_only``; the checker is then a compiler, e.g. ``cuda_compiler``). ``cancel``: a
     threading.Event whose setting ends the pool (its processes are terminated) once the task
-    under way comes back. Returns ``{(variant, bucket key, json(meta)): outcome}``."""
+    under way comes back. ``finished``: a file naming variants whose studies are all done
+    (``write_finished_variants``), whose tasks are then skipped. Returns ``{(variant, bucket
+    key, json(meta)): outcome}``."""
     if jobs <= 1 or not tasks:
         return {}
     jobs = min(jobs, len(tasks))
@@ -237,11 +261,15 @@ def precompile(
     outcome: dict[tuple[str, str, str], str] = {}
     per_ring = dict.fromkeys(rings, 0)
     busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
+    passed = 0  # candidates skipped: their variant's studies were done
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_one_thread, initargs=(no_launch,)) as pool:
-        work = [(t, stop, checker) for t in tasks]
+        work = [(t, stop, checker, finished) for t in tasks]
         done = _results(pool.imap(_run, work), cancel)  # (cancelled: fewer than the tasks)
         for task, (ring, part, seconds) in zip(tasks, done, strict=False):
+            if part is None:
+                passed += len(task.metas)
+                part = {}
             where = bucket_key(task.bucket)
             outcome.update({(task.spec.name, where, k): v for k, v in part.items()})
             spent = busy.setdefault(task.spec.name, [0.0, 0])
@@ -256,14 +284,15 @@ def precompile(
                 )
     bad = sum(v != "ok" for v in outcome.values())
     if progress:
-        skipped = total - len(outcome)
+        skipped = total - len(outcome) - passed
         if cancel is not None:
             why = f"; {skipped} not compiled: the trials ended first"
         else:
             why = f"; {skipped} left to the trials: the budget's half was spent"
+        after = f"; {passed} skipped: their variant's studies were done" if passed else ""
         progress(
-            f"  compiled {len(outcome)} ({bad} failed or wrong{why if skipped else ''}) in "
-            f"{time.monotonic() - t0:.1f} s"
+            f"  compiled {len(outcome)} ({bad} failed or wrong{why if skipped else ''}{after}) "
+            f"in {time.monotonic() - t0:.1f} s"
         )
         slowest = sorted(busy.items(), key=lambda kv: -kv[1][0])[:5]
         progress(

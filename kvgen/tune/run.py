@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -114,13 +115,15 @@ def run(
     )
     compile_jobs = opts.jobs if opts.jobs > 0 else max(1, (os.cpu_count() or 2) - 1)
     beside = None  # (the compile pool that runs beside the workers, and its cancel)
+    finished = None  # a file naming the variants whose studies are all done (the pool's skips)
     if compile_jobs > 1 and opts.compile_beside:
         # the Triton cache on disk is shared by the workers of this host: what the pool has
         # compiled when a trial comes, the trial loads
         cancel = threading.Event()
+        finished = os.path.join(tempfile.mkdtemp(prefix="kvgen-tune-"), "finished-variants")
         pool = threading.Thread(
             target=_precompile, args=(studies, store, opts, compile_jobs, log),
-            kwargs={"cancel": cancel}, name="kvgen-compile", daemon=True,
+            kwargs={"cancel": cancel, "finished": finished}, name="kvgen-compile", daemon=True,
         )  # fmt: skip
         pool.start()
         beside = (pool, cancel)
@@ -142,7 +145,7 @@ def run(
         confirm=opts.confirm,
     )
     t0 = time.monotonic()
-    progress = Progress(studies, store, opts, len(devices), log)
+    progress = Progress(studies, store, opts, len(devices), log, finished=finished)
     try:
         exits = parallel.run_workers(plan, devices, log=log, on_poll=progress.poll)
     finally:
@@ -196,8 +199,12 @@ class Progress:
     so far: the families come in the order of the list, and the decodes, whose trials cost
     the most, come last."""
 
-    def __init__(self, studies, store, opts: Options, gpus: int, log, every_s: float = 20.0):
+    def __init__(
+        self, studies, store, opts: Options, gpus: int, log, every_s: float = 20.0, finished=None
+    ):
         self.studies, self.store, self.gpus, self.log = studies, store, max(1, gpus), log
+        # (a file: each line the variants whose studies are all done, for the compile pool)
+        self.finished, self.written = finished, set()
         self.stop = opts.stop
         self.limits = [
             tuner.budget(st.space, opts.sampler, opts.trials, st.spec, st.bucket) for st in studies
@@ -231,6 +238,13 @@ class Progress:
                     seconds.setdefault(st.spec.family, []).append(span.total_seconds())
             else:
                 left.append((st, len(finished) / max(1, limit)))
+        if self.finished is not None:
+            from kvgen.tune import precompile
+
+            names = {st.spec.name for st in done} - {st.spec.name for st, _ in left}
+            if names != self.written:
+                precompile.write_finished_variants(self.finished, names)
+                self.written = names
         elapsed = time.monotonic() - self.start
         text = f"progress: {len(done)}/{len(self.studies)} studies done in {elapsed / 60:.1f} min"
         if left:
@@ -244,7 +258,9 @@ class Progress:
         return text
 
 
-def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=None) -> None:
+def _precompile(
+    studies, store, opts, compile_jobs, log, deadline=None, cancel=None, finished=None
+) -> None:
     """Compile, in ``compile_jobs`` processes before the workers start, what the studies'
     searches visit first (``kvgen.tune.precompile``): every variant with a study left to run
     (a resumed run skips the finished ones), its start points and their neighbourhood. Half of
@@ -252,7 +268,8 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
     then compiles in the trials that need it. With ``cancel`` (a threading.Event), beside the
     workers instead: ``compile_jobs - 1`` processes (a core stays the worker's) compile
     without launching anything (no kernel of theirs runs beside a timing), ring after ring
-    out to the whole space, until the event is set."""
+    out to the whole space, until the event is set, skipping the variants that ``finished`` (a
+    file the progress monitor writes) names: their studies are all done."""
     from kvgen.tune import precompile
 
     by_variant: dict[str, list[Study]] = {}
@@ -298,7 +315,7 @@ def _precompile(studies, store, opts, compile_jobs, log, deadline=None, cancel=N
         compiler = os.environ.get("KVGEN_TUNE_COMPILER", precompile.DEFAULT_COMPILER)
         log("compiling beside the workers (compile only, no launch):")
         precompile.precompile(tasks, compile_jobs - 1, progress=log, checker=compiler,
-                              no_launch=True, cancel=cancel)  # fmt: skip
+                              no_launch=True, cancel=cancel, finished=finished)  # fmt: skip
         return
     stop = None if deadline is None else time.time() + (deadline - time.monotonic()) / 2
     # KVGEN_TUNE_COMPILE_CHECKER replaces the GPU check (the tests' fake one)
