@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -152,6 +153,7 @@ def run(
         if beside is not None:  # the trials are over: what is left uncompiled is not needed
             beside[1].set()
             beside[0].join()
+            shutil.rmtree(os.path.dirname(finished), ignore_errors=True)
     dead = [e for e in exits if e.returncode != 0]
     replaced = sum(len(e.deaths) for e in exits)
     log(
