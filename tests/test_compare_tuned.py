@@ -1,7 +1,6 @@
 """benchmarks/compare_tuned.py: two tuned_configs folders' configs timed against each other,
 bucket by bucket (here with the tuner tests' fake timer)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,16 +9,12 @@ import pytest
 pytest.importorskip("optuna")
 
 import _fake_tuning as fake  # noqa: E402
+from _scripts import benchmark_script  # noqa: E402
 
 from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
 from kvgen.tune import tuner  # noqa: E402
 
-HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location(
-    "compare_tuned", HERE.parent / "benchmarks" / "compare_tuned.py"
-)
-compare_tuned = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_tuned)
+compare_tuned = benchmark_script("compare_tuned")
 
 SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 BEST = {"rows_per_program": 4, "num_warps": 2, "num_stages": 1}

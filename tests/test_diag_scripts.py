@@ -3,27 +3,17 @@ generated modules' text: every patch must still find its text in the current tem
 (a template edit otherwise leaves the experiment unrunnable), and the patched module imports
 (``kvgen.codegen.render.load_text``) as a module of its own beside the memoised one."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from _scripts import benchmark_script
 
 from kvgen.codegen import load
 from kvgen.families import mla_decode as md
 from kvgen.families.gqa_decode import ROWS_INT4_GROUPS, GQADecodeSpec
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-QUANT = _script("diag_quant_decode")
-GQA_ROWS = _script("diag_gqa_rows")
+QUANT = benchmark_script("diag_quant_decode")
+GQA_ROWS = benchmark_script("diag_gqa_rows")
 MLA_SPECS = [
     cls(576, 512, "bf16", "wgmma", "sm90", "gpu")
     for cls in (md.MLADecodeDSMLASpec, md.MLADecodeFP8Spec, md.MLADecodeMXFP4Spec)

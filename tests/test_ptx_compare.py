@@ -1,13 +1,10 @@
 """benchmarks/ptx_compare.py: two folders of kernels' PTX compared kernel by kernel."""
 
-import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location(
-    "ptx_compare", Path(__file__).parent.parent / "benchmarks" / "ptx_compare.py"
-)
-ptx_compare = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ptx_compare)
+from _scripts import benchmark_script
+
+ptx_compare = benchmark_script("ptx_compare")
 
 
 def _write(folder: Path, file: str, name: str, lines: list[str]) -> None:

@@ -1,16 +1,10 @@
 """benchmarks/replay_trials.py: a variant's trial launches one by one, synchronised after each,
 stopping at the first fault with its round, bucket, config and launch named (fake problem)."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from _scripts import benchmark_script
 
-_spec = importlib.util.spec_from_file_location(
-    "replay_trials", Path(__file__).parent.parent / "benchmarks" / "replay_trials.py"
-)
-replay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay)
+replay = benchmark_script("replay_trials")
 
 VARIANT = "mla_decode_fp8_ds_mla-d576-dv512-bf16-wgmma-sm90-gpu"
 

@@ -1,13 +1,8 @@
 """benchmarks/tune_log_summary.py: a tune log's worker time summed by family."""
 
-import importlib.util
-from pathlib import Path
+from _scripts import benchmark_script
 
-_spec = importlib.util.spec_from_file_location(
-    "tune_log_summary", Path(__file__).parent.parent / "benchmarks" / "tune_log_summary.py"
-)
-summary = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(summary)
+summary = benchmark_script("tune_log_summary")
 
 LOG = """\
 tuning 3 studies, 40 trials each at most, sampler local, on 1 GPU(s)
