@@ -409,15 +409,19 @@ def _fault(exc: Exception):
     return tuner.WorkerFault(f"{type(exc).__name__}: {exc}"[:300])
 
 
+def _cuda():
+    """``torch.cuda`` where this process has used its GPU, else None."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+
+
 def _wait_for_gpu() -> None:
     """Wait for the work queued on this process's GPU, where it has one (a CUDA error of that
     work is raised here, not at a later trial's first wait)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    if cuda := _cuda():
+        cuda.synchronize()
 
 
 def _release_memory() -> None:
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if cuda := _cuda():
+        cuda.empty_cache()

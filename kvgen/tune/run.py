@@ -199,7 +199,8 @@ class Progress:
     wall time their workers recorded, inputs and re-timing included; else their trials'
     timestamps in storage). A family with no finished study yet counts as the slowest family
     so far: the families come in the order of the list, and the decodes, whose trials cost
-    the most, come last."""
+    the most, come last. With ``finished`` (a file), each line also writes there the variants
+    whose studies are all done, which the compile pool then skips."""
 
     def __init__(
         self, studies, store, opts: Options, gpus: int, log, every_s: float = 20.0, finished=None
