@@ -39,9 +39,27 @@ run_one() {
   [ -n "${KVGEN_SANITIZER_TIMEOUT:-}" ] && limit=(timeout "$KVGEN_SANITIZER_TIMEOUT")
   local rc=0
   "${limit[@]}" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 3 "$PYTHON" -P \
-    scripts/gpu_check.py "$section" >"$out.$tool.$section" 2>&1 || rc=$?
+    scripts/gpu_check.py "$section" >"$out.$tool.$section" 2>&1 &
+  echo $! >"$out.$tool.$section.pid"
+  wait $! || rc=$?
+  rm -f "$out.$tool.$section.pid"
   echo "$rc" >"$out.$tool.$section.rc"
 }
+# Stopped (e.g. by an outer `timeout`, which signals this script's process group), stop the runs
+# still going: a run under KVGEN_SANITIZER_TIMEOUT is in a process group of its own (timeout's),
+# which that signal does not reach, and would go on using the GPU after this script has ended.
+stop_runs() {
+  local f pid
+  for f in "$out".*.pid; do
+    [ -f "$f" ] || continue
+    pid=$(cat "$f")
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null
+    rm -f "$f"
+  done
+  # shellcheck disable=SC2046  # a list of pids
+  kill -TERM $(jobs -p) 2>/dev/null
+}
+trap 'stop_runs; exit 143' TERM INT HUP
 if [ "${KVGEN_SANITIZER_WARM:-1}" != 0 ]; then
   for section in "${sections[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "${KVGEN_SANITIZER_JOBS:-8}" ]; do wait -n; done

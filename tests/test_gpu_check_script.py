@@ -3,8 +3,10 @@ section) pair runs, the report joins them in order, and a run that reports error
 non-zero or stops short makes the script fail."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,44 @@ def test_an_error_or_a_missing_summary_fails_the_script(tmp_path, bad, short, ex
     proc, report = run(tmp_path, bad=bad, short=short)
     assert proc.returncode != 0
     assert expect in proc.stdout
+
+
+# a stand-in for a sanitizer run that does not end by itself: it notes its pid and waits
+HANG_STUB = """#!/bin/bash
+echo $$ >>"$PIDS"
+exec sleep 300
+"""
+
+
+def test_a_stopped_script_stops_its_runs_and_the_tools_own_time_limits(tmp_path):
+    """Stopped by an outer `timeout` (which signals the script's process group), the script
+    stops every run still going, those under KVGEN_SANITIZER_TIMEOUT too: each is in a process
+    group of its own (timeout's), and left alone would go on using the GPU after the script."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (
+        ("compute-sanitizer", HANG_STUB),
+        ("nvidia-smi", "#!/bin/bash\necho stub\n"),
+    ):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    pids = tmp_path / "pids"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=sys.executable)
+    env |= {"PIDS": str(pids), "KVGEN_COMMIT": "test", "KVGEN_SANITIZER_WARM": "0"}
+    env |= {"KVGEN_SANITIZER_TIMEOUT": "200"}
+    cmd = ["timeout", "4", "bash", str(ROOT / "scripts/gpu_check.sh"), str(tmp_path / "r.txt")]
+    proc = subprocess.run([*cmd, "decodes", "mla_rows"], env=env, capture_output=True, timeout=60)
+    assert proc.returncode == 124
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 8  # 4 tools x 2 sections, all started within the 4 s
+    deadline = time.monotonic() + 10
+    alive = started
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in started if Path(f"/proc/{p}").exists()]
+        time.sleep(0.1)
+    for p in alive:  # (not to leave them behind when the test fails)
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"{len(alive)} of the 8 runs outlived the script"
 
 
 def test_the_store_section_checks_vllm_inline_rows_and_every_thread_layout_on_them():
