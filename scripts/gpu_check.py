@@ -197,26 +197,28 @@ def quantized_variants(fmt: str):
     return [s for s in specs if s.dtype == "bf16" and s.head_dim == 576 and s.variant != "rows"]
 
 
-def mla_rows() -> None:
-    """The MLA decode's Hopper rows variant (fp8_ds_mla) through its launcher, whether or not
-    kvgen offers it yet: N of 8 and 16, two and three pages in flight, whole sequences and many
-    pieces, against the bf16 decode over the dequantized cache (out within the decode's 1e-2:
-    fp16 weights there, bf16 ones in the bf16 decode); block tables naming pages
-    outside the cache and lengths past the table (never read: NaN)."""
+def mla_rows(fmt: str = "fp8_ds_mla") -> None:
+    """The MLA decode's Hopper rows variant over ``fmt`` (fp8_ds_mla, or MXFP4 with the RoPE
+    part) through its launcher, whether or not kvgen offers it yet: N of 8 and 16, two and
+    three pages in flight, whole sequences and many pieces, against the bf16 decode over the
+    dequantized cache (out within the decode's 1e-2: fp16 weights there, bf16 ones in the bf16
+    decode); block tables naming pages outside the cache and lengths past the table (never
+    read: NaN)."""
     from kvgen.bench.decode import dequantized, quantized_caches
-    from kvgen.families.mla_decode import MLADecodeDSMLASpec, available
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeMXFP4Spec, available
 
     arch, target = runtime.local_target()
     check("mla rows variant exists", available("rows", arch, target) or DEV.type != "cuda")
     if not available("rows", arch, target):
         return
-    spec = MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)
+    spec_class = MLADecodeDSMLASpec if fmt == "fp8_ds_mla" else MLADecodeMXFP4Spec
+    spec = spec_class(576, 512, "bf16", "rows", arch, target)
     launch = load(spec).launch
     lengths = [70, 0, 1, 130, 64, 257]
     k, table, sl, blocks = _mla_pages(lengths)
     one = torch.ones(1, device=DEV)
-    cache = quantized_caches(k, one, ("fp8_ds_mla",))["fp8_ds_mla"]
-    deq = dequantized("fp8_ds_mla", cache, one)
+    cache = quantized_caches(k, one, (fmt,))[fmt]
+    deq = dequantized(fmt, cache, one)
     for h_q, stages, split_factor in ((16, 2, 1), (5, 3, 16)):
         q = torch.randn(len(lengths), 1, h_q, 576, device=DEV).to(torch.bfloat16)
         meta, splits = get_mla_metadata(sl, h_q, 1)
@@ -398,6 +400,7 @@ SECTIONS = {
         mla_rows,
     )
 }
+SECTIONS["mla_rows_mxfp4"] = functools.partial(mla_rows, "mxfp4")
 # (one section a GQA cache format, and for the rows variant a query dtype: racecheck is slowest
 # on these, and sections run side by side)
 SECTIONS |= {

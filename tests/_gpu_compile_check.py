@@ -363,29 +363,43 @@ for gs, group, bufs, row_align in (
             print(f"FAIL {gs.name} rows at {row_align} bytes: {copies} cp.async (LDGSTS), "
                   f"{byte_loads} one-byte loads")  # fmt: skip
 
-# The MLA decode's Hopper rows variant (fp8_ds_mla, Gluon: the keys as the MMAs' rows): N of 16
-# and 8, two and three pages in flight; its three TMA descriptors typed with their shared
-# layouts, in the order the launcher builds them
+# The MLA decode's Hopper rows variants (Gluon: the keys as the MMAs' rows) over fp8_ds_mla and
+# MXFP4 (group 32, with and without the RoPE part): N of 16 and 8, two and three pages in
+# flight; their TMA descriptors typed with their shared layouts, in the order the launcher
+# builds them
 ROWS_MLA = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
 TENSORDESC = {torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32", torch.bfloat16: "bf16"}
+TENSORDESC[torch.uint8] = "u8"
+for rows_spec in (
+    ROWS_MLA,
+    MLADecodeMXFP4Spec(576, 512, "bf16", "rows", "sm90", "gpu"),
+    MLADecodeMXFP4Spec(512, 512, "bf16", "rows", "sm90", "gpu"),
+):
+    rows_mod = load(rows_spec)
+    rows_descs = rows_mod.descriptors(torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8))
+    types = {
+        "q_ptr": "*bf16",
+        "block_table_ptr": "*i32",
+        "seqlens_ptr": "*i32",
+        "order_ptr": "*i32",
+    }
+    types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
+    names = ("codes_desc", "scale_desc", "rope_desc")[: len(rows_descs)]
+    for arg, d in zip(names, rows_descs, strict=True):
+        box = ", ".join(map(str, d.block_shape))
+        types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
+    for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
+        constexprs = {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs, "ORDERED": ordered}
+        kernel = compile_fn(rows_spec.name, rows_mod.split_kernel, types, constexprs)
+        if ordered:
+            compile_ones(rows_spec.name, rows_mod.split_kernel, types, constexprs)
+        if kernel is not None:
+            used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
+            if used != [d.block_shape for d in rows_descs]:
+                failures += 1
+                boxes = [d.block_shape for d in rows_descs]
+                print(f"FAIL {rows_spec.name}: descriptor boxes {boxes}, the kernel reads {used}")
 rows_mod = load(ROWS_MLA)
-rows_descs = rows_mod.descriptors(torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8))
-types = {"q_ptr": "*bf16", "block_table_ptr": "*i32", "seqlens_ptr": "*i32", "order_ptr": "*i32"}
-types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
-for arg, d in zip(("codes_desc", "scale_desc", "rope_desc"), rows_descs, strict=True):
-    box = ", ".join(map(str, d.block_shape))
-    types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
-for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
-    constexprs = {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs, "ORDERED": ordered}
-    kernel = compile_fn(ROWS_MLA.name, rows_mod.split_kernel, types, constexprs)
-    if ordered:
-        compile_ones(ROWS_MLA.name, rows_mod.split_kernel, types, constexprs)
-    if kernel is not None:
-        used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
-        if used != [d.block_shape for d in rows_descs]:
-            failures += 1
-            print(f"FAIL {ROWS_MLA.name}: descriptor boxes {[d.block_shape for d in rows_descs]}, "
-                  f"the kernel reads {used}")  # fmt: skip
 order_types = {"seqlens_ptr": "*i32", "order_ptr": "*i32"}
 for block in (16, rows_mod.ORDER_BLOCK):  # (the rows launcher's longest-first order)
     compile_fn(ROWS_MLA.name + " order", rows_mod.order_kernel, order_types,

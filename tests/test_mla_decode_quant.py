@@ -440,25 +440,64 @@ def test_one_key_reads_back_its_row(spec, device):
 
 
 def _rows_specs():
-    from kvgen.families.mla_decode import MLADecodeDSMLASpec, available
+    """The rows kernels: fp8_ds_mla, and MXFP4 (group 32) with and without the RoPE part."""
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeMXFP4Spec, available
     from kvgen.runtime import local_target
 
     arch, target = local_target()
     if not available("rows", arch, target):
         return hopper([], "rows")
-    return hopper([MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target)], "rows")
+    return hopper(
+        [
+            MLADecodeDSMLASpec(576, 512, "bf16", "rows", arch, target),
+            MLADecodeMXFP4Spec(576, 512, "bf16", "rows", arch, target),
+            MLADecodeMXFP4Spec(512, 512, "bf16", "rows", arch, target),
+        ],
+        "rows",
+    )
 
 
-def _rows_case(seqlens, h_q, device, seed=0):
-    """(q, cache, table, seqlens, dequantized bf16 cache): ``_cache``'s pages of 64 back to back,
-    in random order, the rows past each sequence's end then set to 0xFF bytes (NaN codes and
-    scales)."""
-    cache, table, deq = _cache(seqlens, 64, device, seed)
+def _mxfp4_rows_cache(seqlens, d, device, seed):
+    """``_cache`` for MXFP4 rows of group 32 (576: with the RoPE part; 512: the seed's rows), in
+    pages of 64 back to back: the latent's groups scaled by powers of two from 2^-30 to 1, a
+    different one for each (key, group), so that a key's groups lie up to 2^30 apart (the
+    kernel scales each key's groups to its largest one in fp16, where those more than 2^23
+    below it round to subnormals or 0)."""
+    from kvgen.formats import mxfp4
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks, table = _table(seqlens, 64, gen)
+    kv_c = torch.randn(blocks * 64, 512, generator=gen)
+    kv_c[:, 5] *= 30.0  # an outlier channel
+    spread = torch.randint(-30, 1, (blocks * 64, 16), generator=gen).float().exp2()
+    kv_c = (kv_c.view(-1, 16, 32) * spread[:, :, None]).view(-1, 512).to(torch.bfloat16)
+    if d == 576:
+        k_pe = torch.randn(blocks * 64, 64, generator=gen).to(torch.bfloat16)
+        rows = mla_cache.quantize_mxfp4_rope(kv_c, k_pe)
+        deq = mla_cache.dequantize_mxfp4_rope(rows)
+    else:
+        rows = mxfp4.quantize_rows(kv_c, 32)
+        deq = mxfp4.dequantize_rows(rows, 512, 32)
+    cache = rows.reshape(blocks, 64, 1, -1).to(device)
+    bf16 = deq.reshape(blocks, 64, 1, d).to(torch.bfloat16)
+    assert torch.equal(bf16.float(), deq.reshape(blocks, 64, 1, d))  # exact in bf16
+    return cache, table.to(device), bf16.to(device)
+
+
+def _rows_case(seqlens, h_q, device, seed=0, spec=None):
+    """(q, cache, table, seqlens, dequantized bf16 cache) for the rows kernel ``spec`` (default:
+    fp8_ds_mla): pages of 64 back to back, in random order, the rows past each sequence's end
+    then set to 0xFF bytes (NaN scales)."""
+    d = 576 if spec is None else spec.head_dim
+    if spec is None or spec.derived()["kv_format"] == "fp8_ds_mla":
+        cache, table, deq = _cache(seqlens, 64, device, seed)
+    else:
+        cache, table, deq = _mxfp4_rows_cache(seqlens, d, device, seed)
     for b, n in enumerate(seqlens):
         for t in range(n, -(-n // 64) * 64):
             cache[int(table[b, t // 64]), t % 64] = 0xFF
     gen = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(len(seqlens), 1, h_q, 576, generator=gen) * 2.0
+    q = torch.randn(len(seqlens), 1, h_q, d, generator=gen) * 2.0
     sl = torch.tensor(seqlens, dtype=torch.int32, device=device)
     return q.to(torch.bfloat16).to(device), cache, table, sl, deq
 
@@ -468,7 +507,7 @@ def _rows_launch(spec, q, cache, table, sl, **meta_kw):
 
     meta, splits = get_mla_metadata(sl, q.shape[2], 1)
     mp = spec.default_meta(rows=q.shape[2]) | meta_kw
-    return load(spec).launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+    return load(spec).launch(q, cache, table, sl, meta, splits, q.shape[3] ** -0.5, False, **mp)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 7, 16, 100, 128, 129, 700])
@@ -502,7 +541,7 @@ def test_rows_variant_over_page_edges_heads_and_splits(spec, h_q, num_stages, de
     sequence of no keys)."""
     from kvgen.verify import compare_attention
 
-    q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q)
+    q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q, spec=spec)
     ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
     for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
         out, lse = _rows_launch(spec, q, cache, table, sl, num_stages=num_stages,
@@ -517,7 +556,7 @@ def test_rows_variant_over_page_edges_heads_and_splits(spec, h_q, num_stages, de
 def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
     """A page outside the cache, or a length past what the table holds, is never read (TMA
     boxes of page 0 stand in): that sequence's out and lse are NaN, the others exact as before."""
-    q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=3)
+    q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=3, spec=spec)
     good, good_lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
     table, sl = spoil_table(table, sl, bad, cache.shape[0], 64)
     out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
@@ -529,10 +568,10 @@ def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad
 def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
     from kvgen.verify import compare_attention
 
-    q, cache, table, sl, deq = _rows_case([70, 5], 16, device, seed=5)
+    q, cache, table, sl, deq = _rows_case([70, 5], 16, device, seed=5, spec=spec)
     q = q.clone()
     q[0, 0, 1, 7] = float("nan")
-    q[1, 0, 6, 520] = -float("inf")  # (in the RoPE part)
+    q[1, 0, 6, q.shape[3] - 1] = -float("inf")  # (in the RoPE part where there is one)
     out, lse = _rows_launch(spec, q, cache, table, sl)
     assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 0, 1].float()).all()
     assert torch.isnan(lse[1, 6]).all() and torch.isnan(out[1, 0, 6].float()).all()
@@ -542,27 +581,49 @@ def test_rows_variant_query_heads_that_are_not_finite_give_nan(spec, device):
 
 
 @pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_variant_a_key_with_a_nan_scale_gives_nan_for_its_sequence_only(spec, device):
+    """A key whose scale (of one group or tile) is NaN makes its sequence's out and lse NaN for
+    every head (the decodes' non-finite semantics, docs/formats.md); the other sequences are
+    exact as before."""
+    q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=7, spec=spec)
+    good, good_lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    cache = cache.clone()
+    page, row = int(table[1, 1]), 3  # key 67 of sequence 1
+    if cache.shape[-1] == 656:  # fp8_ds_mla: scale tile 2, an fp32 NaN
+        cache[page, row, 0, 512 + 8 : 512 + 12] = torch.tensor(
+            [0, 0, 0xC0, 0x7F], dtype=torch.uint8
+        )
+    else:  # MXFP4: group 9, E8M0's NaN
+        cache[page, row, 0, 256 + 9] = 0xFF
+    out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
+
+
+@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     """Several queries a sequence, more than 16 heads, fp16 queries, pages of another size or
     not back to back: ValueError from the launcher, before any kernel runs."""
     from kvgen.codegen import load
 
-    q, cache, table, sl, _ = _rows_case([70, 0, 33], 16, device)
+    q, cache, table, sl, _ = _rows_case([70, 0, 33], 16, device, spec=spec)
     mod = load(spec)
-    blocks = cache.shape[0]
-    spaced = torch.zeros(blocks, 65, 1, 656, dtype=torch.uint8, device=device)[:, :64]
+    blocks, _, _, width = cache.shape
+    d = q.shape[3]
+    fmt = "fp8_ds_mla" if width == 656 else "MXFP4"
+    spaced = torch.zeros(blocks, 65, 1, width, dtype=torch.uint8, device=device)[:, :64]
     cases = [
-        (q.expand(3, 2, 16, 576).contiguous(), cache, "one query"),
+        (q.expand(3, 2, 16, d).contiguous(), cache, "one query"),
         (torch.cat([q, q], dim=2), cache, "at most 16"),
         (q.half(), cache, "must be torch.bfloat16"),
-        (q, cache.view(blocks * 4, 16, 1, 656), "page_block_size 16"),
+        (q, cache.view(blocks * 4, 16, 1, width), "page_block_size 16"),
         (q, spaced, "back to back"),
-        (q, cache[..., :576], "fp8_ds_mla"),
+        (q, cache[..., : width - 16], fmt),
     ]
     for qq, kk, text in cases:
         assert mod.accepts(qq, kk) is not None
         with pytest.raises(ValueError, match=text):
-            mod.launch(qq, kk, table, sl, None, None, 576**-0.5, False)
+            mod.launch(qq, kk, table, sl, None, None, d**-0.5, False)
     assert mod.accepts(q, cache) is None
 
 

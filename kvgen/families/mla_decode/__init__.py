@@ -17,18 +17,19 @@ SCHED_BLOCK = 64
 WGMMA_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone (sm100 has tcgen05 instead)
 # portable: Triton, any arch (mla_decode.py.j2). wgmma: a Gluon kernel, 64-row tiles with the work
 # split by roles between warpgroups (mla_decode_wgmma.py.j2; GPU only: Gluon does not run in
-# Triton's interpreter). rows: a Gluon kernel for sm90 over fp8_ds_mla caches, one query of at
-# most 16 heads a sequence, the keys as the MMAs' rows and the heads their N
-# (mla_decode_rows.py.j2; GPU only).
+# Triton's interpreter). rows: a Gluon kernel for sm90 over fp8_ds_mla or MXFP4 (group 32)
+# caches, one query of at most 16 heads a sequence, the keys as the MMAs' rows and the heads
+# their N (mla_decode_rows.py.j2, mla_decode_rows_mxfp4.py.j2; GPU only).
 VARIANTS = ("portable", "wgmma", "rows")
 TEMPLATES = {
     "portable": "mla_decode.py.j2",
     "wgmma": "mla_decode_wgmma.py.j2",
     "rows": "mla_decode_rows.py.j2",
 }
-ROWS_FORMATS = ("fp8_ds_mla",)  # the caches the rows template reads
-# What kvgen lists, verifies and tunes (and so the op can take).
-ROWS_OFFERED: tuple[str, ...] = ROWS_FORMATS
+ROWS_FORMATS = ("fp8_ds_mla", "mxfp4")  # the caches the rows templates read
+# What kvgen lists, verifies and tunes (and so the op can take): MXFP4's rows kernel is not
+# offered until its tests have run on a GPU.
+ROWS_OFFERED: tuple[str, ...] = ("fp8_ds_mla",)
 
 
 def variants_for(kv_format: str) -> tuple[str, ...]:
@@ -200,6 +201,10 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
 
     group: int = axis("g", choices=formats.MXFP4.groups, default=formats.MXFP4.default_group)
 
+    @property
+    def template(self) -> str:
+        return "mla_decode_rows_mxfp4.py.j2" if self.variant == "rows" else super().template
+
     def check_combination(self) -> None:
         super().check_combination()
         if (self.head_dim, self.head_dim_v) not in ((576, 512), (512, 512)):
@@ -209,13 +214,27 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
                 f"{self.family}: the wgmma variant reads MXFP4 rows for bf16 queries (fp16: "
                 "the portable variant)"
             )
+        if self.variant == "rows" and (self.dtype, self.group) != ("bf16", 32):
+            raise SpecError(
+                f"{self.family}: the rows variant reads MXFP4 rows of group 32 for bf16 queries"
+            )
 
     def derived(self) -> dict[str, Any]:
         chunks = self.head_dim_v // 128  # 128 latent channels: 64 code bytes, 128 / g scales
-        return super().derived() | {
+        row_bytes = mxfp4_rope_row_bytes(self.head_dim_v, self.group, self.rope)
+        out = super().derived() | {
             "kv_format": "mxfp4",
             "chunk": 128,
             "nchunk": chunks,
             "mxfp4_group": self.group,
-            "staged_row_bytes": mxfp4_rope_row_bytes(self.head_dim_v, self.group, self.rope),
+            "staged_row_bytes": row_bytes,
         }
+        if self.variant == "rows":
+            out |= {
+                "tile": SCHED_BLOCK,  # keys a tile = the page the kernel takes
+                "row_bytes": row_bytes,
+                "dv_pad": self.head_dim_v,
+                # the combine takes every sequence in ``splits`` pieces
+                "even_pieces": True,
+            }
+        return out
