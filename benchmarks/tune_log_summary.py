@@ -7,7 +7,10 @@ cached in the worker; and each study's re-timing).
 "first check" holds each study's reference (made once a problem), "check" the other checks,
 where a config's first launch in the worker compiles it (unless the compile pool had) or loads
 its binary; "compiled" counts the kernels the worker compiled itself, and "compiling" the
-seconds those compiles took, within the checks and the timing (logs that say so).
+seconds those compiles took, within the checks and the timing (logs that say so). "in all" is
+each study's time in the worker from end to end, "opening" the part before its inputs were
+built (opening the study in the storage, its warm start): "in all" less "total", "re-timing"
+and "opening" is the study's clean-up and bookkeeping (logs that say so).
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ STUDY = re.compile(
     r"\((?P<parts>[^)]*)\)"
 )
 RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
+IN_ALL = re.compile(
+    r"\[gpu \S+\] (?P<name>\S+) @ \S+: (?P<all>[\d.]+) s in all \((?P<open>[\d.]+) s opening"
+)
 PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
 COLUMNS = ("studies", "trials", "total", "building inputs", "first check", "check", "timing",
-           "re-timing", "compiled", "cached", "compiling")  # fmt: skip
+           "re-timing", "compiled", "cached", "compiling", "in all", "opening")  # fmt: skip
 
 
 def summarize(lines) -> dict[str, dict[str, float]]:
@@ -42,6 +48,10 @@ def summarize(lines) -> dict[str, dict[str, float]]:
                         row[p["k"]] += float(p["v"])
         elif m := RETIMED.search(line):
             out[m["name"].split("-")[0]]["re-timing"] += float(m["s"])
+        elif m := IN_ALL.search(line):
+            row = out[m["name"].split("-")[0]]
+            row["in all"] += float(m["all"])
+            row["opening"] += float(m["open"])
     return dict(out)
 
 

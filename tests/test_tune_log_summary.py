@@ -16,6 +16,8 @@ tuning 3 studies, 40 trials each at most, sampler local, on 1 GPU(s)
 [gpu 0] gqa_decode-d128-dv128-bf16-kvint8-g0-rows-sm90-gpu @ rows=4: ran 10 trials in 30.0 s \
 (1.0 s building inputs, 2.0 s first check, 20.0 s check, 7.0 s timing, 6 kernels compiled, \
 0 kernels cached, 18.5 s compiling); study best so far 258.9 us {'num_stages': 3}
+[gpu 0] gqa_decode-d128-dv128-bf16-kvint8-g0-rows-sm90-gpu @ rows=4: 33.5 s in all \
+(0.5 s opening the study and its warm start)
 progress: 3/3 studies done in 0.6 min
 """
 
@@ -29,6 +31,8 @@ def test_study_and_retiming_lines_are_summed_by_family(tmp_path):
     assert abs(mx["first check"] - 1.4) < 1e-9 and abs(mx["re-timing"] - 0.6) < 1e-9
     assert rows["gqa_decode"]["check"] == 20.0
     assert rows["gqa_decode"]["compiling"] == 18.5 and mx["compiling"] == 0.0  # (older logs)
+    assert rows["gqa_decode"]["in all"] == 33.5 and rows["gqa_decode"]["opening"] == 0.5
+    assert mx["in all"] == 0.0  # (older logs)
     log = tmp_path / "tune.log"
     log.write_text(LOG)
     assert summary.main([str(log)]) == 0

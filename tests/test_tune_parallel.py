@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -495,6 +496,9 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
     assert result.exit_code == 0, result.output
     assert "on 1 GPU(s)" in result.output and "[gpu fake0]" in result.output
     assert "re-timed in" in result.output
+    # each study's time in the worker from end to end, and its part before the trials
+    in_all = re.findall(r"@ num_tokens=\d+: ([\d.]+) s in all \(([\d.]+) s opening", result.output)
+    assert len(in_all) == 1 and all(float(a) >= float(o) for a, o in in_all)  # (one bucket)
     evals = _evaluations(tmp_path / "evals.log")
     workers = {pid for pid, _, _ in evals}
     assert len(workers) == 1  # every trial and re-timing in one worker process
