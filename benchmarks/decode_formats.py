@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="equal,mixed")
     ap.add_argument("--rounds", type=int, default=3, help="alternated timings of each caller")
     ap.add_argument("--json", help="write the rows and the ceilings here")
+    ap.add_argument("--unoffered", action="store_true",
+                    help="also the variants kvgen generates but does not offer yet")  # fmt: skip
     ap.add_argument("--commit", help="the commit to record (a copied checkout's .git may be older)")
     args = ap.parse_args(argv)
 
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
         variants=args.variants.split(","),
         batches=args.batches.split(","),
         rounds=args.rounds,
+        unoffered=args.unoffered,
         progress=lambda r: print(f"  {r.variant} {r.lengths} h={r.heads}: {r.graph_us:.1f} us"),
     )
     head = "format      caller                                       batch          h_q      us"

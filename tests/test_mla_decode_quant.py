@@ -679,3 +679,23 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     configs.reset()
     assert pick() == "wgmma"
     configs.reset()
+
+
+def test_the_bench_times_unoffered_variants_only_when_asked(monkeypatch):
+    """benchmarks/decode_formats.py --unoffered: the bench's callers over an MXFP4 cache on
+    sm90 include the rows kernel kvgen generates but does not offer yet only when asked (the op
+    never takes it), and never a variant that cannot read the format."""
+    from kvgen import runtime
+    from kvgen.bench import decode
+
+    monkeypatch.setattr(runtime, "target_of", lambda device: ("sm90", "gpu"))
+    cache = torch.zeros(2, 64, 1, 400, dtype=torch.uint8)
+    offered = [label for label, _ in decode._callers(torch.device("cpu"), cache, "mxfp4")]
+    every = [
+        label for label, _ in decode._callers(torch.device("cpu"), cache, "mxfp4", unoffered=True)
+    ]
+    rows = "mla_decode_mxfp4-d576-dv512-bf16-rows-sm90-gpu-g32"
+    assert rows not in offered and rows in every
+    assert set(offered) < set(every) and "auto mxfp4" in offered
+    fp8 = decode._callers(torch.device("cpu"), cache[..., :288], "fp8", None, unoffered=True)
+    assert not [label for label, _ in fp8 if "-rows-" in label]  # (no rows kernel for fp8)

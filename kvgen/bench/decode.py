@@ -72,10 +72,11 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
     return q, k_cache, table, sl
 
 
-def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None):
+def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None, unoffered=False):
     """(label, call) pairs for the 576/512 decode (bf16 queries) on cache ``k`` in format
     ``fmt``: every variant this arch has for that cache (of ``variants``, default all; with
-    ``heads``, those whose launcher ``accepts`` one query of that many heads), launched
+    ``unoffered``, also those kvgen generates but does not offer yet; with ``heads``, those
+    whose launcher ``accepts`` one query of that many heads), launched
     directly with its tuned (or default) meta-parameters, and ``auto`` (``auto <fmt>`` for a
     quantized cache): the op, whose wrapper picks the variant. ``call(q, table, seqlens, meta,
     splits) -> (out, lse)``."""
@@ -95,7 +96,7 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None):
     }[fmt]
     extra = {"k_scale": k_scale} if fmt == "fp8" else {}
     out = []
-    for v in md.variants_for("auto" if fmt == "bf16" else fmt):
+    for v in md.VARIANTS if unoffered else md.variants_for("auto" if fmt == "bf16" else fmt):
         if variants is not None and v not in variants:
             continue
         try:
@@ -220,11 +221,13 @@ def run(
     variants=None,
     batches=("equal", "mixed"),
     rounds=ROUNDS,
+    unoffered=False,
 ) -> list[DecodeRow]:
     """Every variant (and the op's own choice, ``auto``) on the equal and mixed batches, and
     the op over each quantized cache of the same keys (``auto fp8_ds_mla``, ...), with its time
     relative to the op's over the bf16 cache. ``variants`` (default all) and ``batches`` (of
-    "equal", "mixed") narrow the run.
+    "equal", "mixed") narrow the run; ``unoffered`` adds the variants kvgen generates but does
+    not offer yet (launched directly; the op does not take them).
 
     Each caller is timed once a round, ROUNDS rounds, the order rotated each round,
     and its median kept; each timing starts after the graph has run for a while on its own
@@ -245,7 +248,9 @@ def run(
             ref, _ = mla_decode(q[sub].cpu(), k.cpu(), table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V)
             callers = [
                 (label, call, "bf16", ref)
-                for label, call in _callers(device, k, variants=variants, heads=h)
+                for label, call in _callers(
+                    device, k, variants=variants, heads=h, unoffered=unoffered
+                )  # fmt: skip
             ]
             k_scale = torch.tensor([K_SCALE], device=device)
             for fmt, cache in quantized_caches(k, k_scale).items():
@@ -253,7 +258,7 @@ def run(
                 fmt_ref, _ = mla_decode(
                     q[sub].cpu(), deq, table[sub].cpu(), sl[sub].cpu(), HEAD_DIM_V
                 )  # (over the dequantized cache: what the op attends over)
-                for label, call in _callers(device, cache, fmt, k_scale, variants, h):
+                for label, call in _callers(device, cache, fmt, k_scale, variants, h, unoffered):
                     callers.append((label, call, fmt, fmt_ref))
             meta, splits = get_mla_metadata(sl, h, 1)
             args = (q, table, sl, meta, splits)
