@@ -1,5 +1,6 @@
 """The tuner's control flow with a fake timer, the config files and the run-time loader."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -354,6 +355,42 @@ def test_progress_estimate_takes_recorded_wall_times_and_the_slowest_family_for_
     assert "about 2.0 min left" in line, line
     # the int8 store's one study is done; the MXFP4 store has one of two left
     assert finished_variants(finished) == {kv.name}
+
+
+def test_progress_estimate_follows_the_recorded_costs_of_the_configs_in_use(override, storage):
+    """Where the tuned configs in use recorded what a study cost when they were tuned
+    (``tune_s``), a study left counts as that record times this run's pace on the finished
+    studies that have one: here the finished study took twice its record, so the two left
+    (recorded 30 s and 90 s) count as 60 s and 180 s, over one GPU, though the family's one
+    finished study took 20 s."""
+    from kvgen.tune.plan import Study
+    from kvgen.tune.run import Options, Progress
+
+    studies = [Study(SPEC, SPACE, {"num_tokens": n}) for n in (16, 4096, 65536)]
+    tuner.run_study(SPEC, studies[0].bucket, SPACE, lambda m: 1.0 + len(str(m)) / 100,
+                    storage=storage, sampler="local", n_trials=5)  # fmt: skip
+    tuner.record_wall_time(tuner.load_study(SPEC, studies[0].bucket, storage), "w1", 20.0)
+    records = [
+        dataclasses.replace(
+            _result({"rows_per_program": 1}), bucket=tuner.bucket_key(st.bucket), wall_s=cost
+        )
+        for st, cost in zip(studies, (10.0, 30.0, 90.0), strict=True)
+    ]
+    path = tuner.write_results(override, "sm90", SPEC.family, records, ENV, "local", 5)
+    entries = json.loads(path.read_text())["entries"][SPEC.name]
+    assert entries["num_tokens=4096"]["tune_s"] == 30.0  # (written beside the config)
+    configs.reset()
+    line = Progress(studies, storage, Options("sm90", trials=5), 1, lambda _: None).line()
+    assert "about 4.0 min left" in line, line
+    # no record for any study left: the family's finished one (20 s a study)
+    for st in studies[1:]:
+        del entries[tuner.bucket_key(st.bucket)]
+    doc = json.loads(path.read_text())
+    doc["entries"][SPEC.name] = entries
+    path.write_text(json.dumps(doc))
+    configs.reset()
+    line = Progress(studies, storage, Options("sm90", trials=5), 1, lambda _: None).line()
+    assert "about 0.7 min left" in line, line
 
 
 def _result(meta, t=5.0):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvgen import configs
 from kvgen.tune import MIN_GAIN, PATIENCE, SAMPLER, parallel, tuner
 from kvgen.tune.plan import Study
 
@@ -178,6 +179,9 @@ def run(
                 r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm,
                                   stop=stop)  # fmt: skip
         log(describe(r, f"[{i}/{len(studies)}] {st.spec.name} @ {tuner.bucket_key(st.bucket)}"))
+        study = tuner.load_study(st.spec, st.bucket, store)
+        if study is not None:
+            r = dataclasses.replace(r, wall_s=tuner.wall_time(study))
         results.setdefault(st.spec.family, []).append(r)
     written = []
     for family, rs in results.items():
@@ -195,11 +199,13 @@ def run(
 class Progress:
     """A line every ``every_s`` seconds while the workers run: studies done, the study now
     being tuned (the first unfinished one: every worker walks the list in order), and the time
-    left over the GPUs, estimated from how long the finished studies of each family took (the
-    wall time their workers recorded, inputs and re-timing included; else their trials'
-    timestamps in storage). A family with no finished study yet counts as the slowest family
-    so far: the families come in the order of the list, and the decodes, whose trials cost
-    the most, come last. With ``finished`` (a file), each line also writes there the variants
+    left over the GPUs. A study left is estimated from what the tuned configs of this arch in
+    use (``kvgen.configs``) recorded it cost when they were tuned (``tune_s``), times how this
+    run's finished studies compare with what they recorded; a study with no record, from how
+    long the finished studies of its family took (the wall time their workers recorded, inputs
+    and re-timing included; else their trials' timestamps in storage), and a family with no
+    finished study yet counts as the slowest family so far (the decodes, whose trials cost the
+    most, come last). With ``finished`` (a file), each line also writes there the variants
     whose studies are all done, which the compile pool then skips."""
 
     def __init__(
@@ -215,6 +221,7 @@ class Progress:
         self.every_s = every_s
         self.start = time.monotonic()
         self.last = self.start
+        self.priors = recorded_costs(studies, opts.arch)
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -224,7 +231,8 @@ class Progress:
 
     def line(self) -> str:
         done, seconds, left = [], {}, []
-        for st, limit in zip(self.studies, self.limits, strict=True):
+        ran, recorded = 0.0, 0.0  # the finished studies with a record: this run's, the record's
+        for st, limit, prior in zip(self.studies, self.limits, self.priors, strict=True):
             study = tuner.load_study(st.spec, st.bucket, self.store)
             trials = [] if study is None else study.get_trials(deepcopy=False)
             finished = tuner.finished(trials)
@@ -232,19 +240,21 @@ class Progress:
                 done.append(st)
                 wall = tuner.wall_time(study)
                 stamps = [t for t in finished if t.datetime_start and t.datetime_complete]
-                if wall is not None:
-                    seconds.setdefault(st.spec.family, []).append(wall)
-                elif stamps:
+                if wall is None and stamps:
                     span = max(t.datetime_complete for t in stamps) - min(
                         t.datetime_start for t in stamps
                     )
-                    seconds.setdefault(st.spec.family, []).append(span.total_seconds())
+                    wall = span.total_seconds()
+                if wall is not None:
+                    seconds.setdefault(st.spec.family, []).append(wall)
+                    if prior is not None:
+                        ran, recorded = ran + wall, recorded + prior
             else:
-                left.append((st, len(finished) / max(1, limit)))
+                left.append((st, len(finished) / max(1, limit), prior))
         if self.finished is not None:
             from kvgen.tune import precompile
 
-            names = {st.spec.name for st in done} - {st.spec.name for st, _ in left}
+            names = {st.spec.name for st in done} - {st.spec.name for st, *_ in left}
             if names != self.written:
                 precompile.write_finished_variants(self.finished, names)
                 self.written = names
@@ -253,12 +263,34 @@ class Progress:
         if left:
             st = left[0][0]
             text += f"; now {st.spec.name} @ {tuner.bucket_key(st.bucket)}"
-        if left and seconds:
+        if left and (seconds or all(prior is not None for *_, prior in left)):
             mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
-            slowest = max(mean.values())
-            eta = sum(mean.get(st.spec.family, slowest) * (1 - frac) for st, frac in left)
+            slowest = max(mean.values(), default=0.0)
+            pace = ran / recorded if recorded > 0 else 1.0
+            eta = sum(
+                (prior * pace if prior is not None else mean.get(st.spec.family, slowest))
+                * (1 - frac)
+                for st, frac, prior in left
+            )
             text += f"; about {eta / self.gpus / 60:.1f} min left"
         return text
+
+
+def recorded_costs(studies, arch: str) -> list[float | None]:
+    """Each study's ``tune_s`` in the tuned configs of ``arch`` in use (what it cost when they
+    were tuned), or None: no record, or no readable file."""
+    tables: dict[str, dict] = {}
+    out = []
+    for st in studies:
+        family = st.spec.family
+        if family not in tables:
+            tables[family] = configs.table(arch, family)
+        entry = (
+            tables[family].get(configs.tuned_name(st.spec), {}).get(tuner.bucket_key(st.bucket), {})
+        )
+        cost = entry.get("tune_s")
+        out.append(float(cost) if isinstance(cost, (int, float)) and cost > 0 else None)
+    return out
 
 
 def _precompile(

@@ -54,6 +54,7 @@ class StudyResult:
     skipped: int = 0  # points that break a constraint: failed at once, never compiled or timed
     confirm_rounds: int = 0  # >0: time_us / default_time_us are medians of this many re-timings
     stopped_early: bool = False  # ended by its StopRule before its budget
+    wall_s: float | None = None  # what the study cost its workers (record_wall_time), if known
 
 
 # Heartbeats let the workers of several hosts sharing a database fail the running trial of a
@@ -902,6 +903,8 @@ def write_results(
         entry["default_time_us"] = round(r.default_time_us or r.time_us, 4)
         if r.confirm_rounds:
             entry["confirm_rounds"] = r.confirm_rounds
+        if r.wall_s is not None:  # (the next tune's progress line estimates from it)
+            entry["tune_s"] = round(r.wall_s, 1)
         entries.setdefault(r.variant, {})[r.bucket] = entry
     doc = {
         "schema_version": configs.SCHEMA_VERSION,
