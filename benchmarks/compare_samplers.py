@@ -94,6 +94,10 @@ class GridSpace(Space):
     def violations(self, spec, meta, bucket=None) -> list[str]:
         return [] if self.times.get(_key(meta)) is not None else ["not timed on the grid"]
 
+    def feasible(self, spec, bucket=None) -> list[dict]:
+        # (Space.feasible evaluates the template's constraints, which a grid has none of)
+        return [m for m in self.points() if not self.violations(spec, m, bucket)]
+
 
 @dataclasses.dataclass(frozen=True)
 class GridSpec:
@@ -140,7 +144,7 @@ def _searched() -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fake", action="store_true", help="made-up costs, no GPU")
     ap.add_argument("--seeds", type=int, default=10)
@@ -155,14 +159,14 @@ def main() -> None:
         default=max(1, (os.cpu_count() or 2) - 1),
         help="processes compiling the grid up front (timing stays serial)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out, grids = [], []
     env = None
     earlier = {}
     if args.grids_from:
         old = json.loads(open(args.grids_from).read())
         env = {
-            **old["env"],
+            **(old["env"] or {}),  # (None: fake grids)
             "grids_from": os.path.basename(args.grids_from),
             "searched": _searched(),
         }
