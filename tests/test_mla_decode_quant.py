@@ -54,6 +54,19 @@ def _assert_matches(out, lse, want, want_lse):
     assert float((lse[finite] - want_lse[finite]).abs().max()) < 1e-3
 
 
+def _mxfp4_rows(kv_c, d, group, gen):
+    """(MXFP4 rows of ``kv_c`` [n, 512] by the reference, their dequantized values): 576 / 512
+    with a random RoPE part as bf16 after the scales, or the seed's rope-free rows for 512 / 512."""
+    from kvgen.formats import mxfp4
+
+    if d == 576:
+        k_pe = torch.randn(kv_c.shape[0], 64, generator=gen).to(torch.bfloat16)
+        rows = mla_cache.quantize_mxfp4_rope(kv_c.to(torch.bfloat16), k_pe, group)
+        return rows, mla_cache.dequantize_mxfp4_rope(rows, 512, group)
+    rows = mxfp4.quantize_rows(kv_c, group)
+    return rows, mxfp4.dequantize_rows(rows, 512, group)
+
+
 def _cache(seqlens, page, device, seed=0, extra_rows=0):
     """A fp8_ds_mla cache filled by concat_and_cache_mla (pages in random order, blocks
     ``extra_rows`` further apart than a page), its table and the dequantized bf16 cache."""
@@ -184,20 +197,13 @@ def test_mxfp4_decode(d, dtype, group, device):
     rope-free rows for 512 / 512, 272 bytes at group 32; groups 16 and 64 by mxfp4_group=)
     against kvgen's decode over the dequantized cache (exact in bf16) and the float64
     reference; blocks further apart than a page."""
-    from kvgen.formats import mxfp4
 
     gen = torch.Generator().manual_seed(d + group)
     seqlens, page = [70, 0, 1, 130], 32
     blocks, table = _table(seqlens, page, gen)
     kv_c = torch.randn(blocks * page, 512, generator=gen)
     kv_c[:, 9] *= 25.0
-    if d == 576:
-        k_pe = torch.randn(blocks * page, 64, generator=gen).to(torch.bfloat16)
-        rows = mla_cache.quantize_mxfp4_rope(kv_c.to(torch.bfloat16), k_pe, group)
-        deq = mla_cache.dequantize_mxfp4_rope(rows, 512, group)
-    else:
-        rows = mxfp4.quantize_rows(kv_c, group)
-        deq = mxfp4.dequantize_rows(rows, 512, group)
+    rows, deq = _mxfp4_rows(kv_c, d, group, gen)
     assert rows.shape[1] == 256 + 512 // group + (128 if d == 576 else 0)
     mem = torch.zeros(blocks, page + 2, 1, rows.shape[1], dtype=torch.uint8)
     mem[:, :page] = rows.reshape(blocks, page, 1, -1)
@@ -463,7 +469,6 @@ def _mxfp4_rows_cache(seqlens, d, device, seed):
     different one for each (key, group), so that a key's groups lie up to 2^30 apart (the
     kernel scales each key's groups to its largest one in fp16, where those more than 2^23
     below it round to subnormals or 0)."""
-    from kvgen.formats import mxfp4
 
     gen = torch.Generator().manual_seed(seed)
     blocks, table = _table(seqlens, 64, gen)
@@ -471,13 +476,7 @@ def _mxfp4_rows_cache(seqlens, d, device, seed):
     kv_c[:, 5] *= 30.0  # an outlier channel
     spread = torch.randint(-30, 1, (blocks * 64, 16), generator=gen).float().exp2()
     kv_c = (kv_c.view(-1, 16, 32) * spread[:, :, None]).view(-1, 512).to(torch.bfloat16)
-    if d == 576:
-        k_pe = torch.randn(blocks * 64, 64, generator=gen).to(torch.bfloat16)
-        rows = mla_cache.quantize_mxfp4_rope(kv_c, k_pe)
-        deq = mla_cache.dequantize_mxfp4_rope(rows)
-    else:
-        rows = mxfp4.quantize_rows(kv_c, 32)
-        deq = mxfp4.dequantize_rows(rows, 512, 32)
+    rows, deq = _mxfp4_rows(kv_c, d, 32, gen)
     cache = rows.reshape(blocks, 64, 1, -1).to(device)
     bf16 = deq.reshape(blocks, 64, 1, d).to(torch.bfloat16)
     assert torch.equal(bf16.float(), deq.reshape(blocks, 64, 1, d))  # exact in bf16

@@ -179,9 +179,6 @@ def run(
                 r = tuner.confirm(st.spec, st.bucket, store, evaluate, top=opts.confirm,
                                   stop=stop)  # fmt: skip
         log(describe(r, f"[{i}/{len(studies)}] {st.spec.name} @ {tuner.bucket_key(st.bucket)}"))
-        study = tuner.load_study(st.spec, st.bucket, store)
-        if study is not None:
-            r = dataclasses.replace(r, wall_s=tuner.wall_time(study))
         results.setdefault(st.spec.family, []).append(r)
     written = []
     for family, rs in results.items():

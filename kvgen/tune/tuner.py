@@ -693,6 +693,7 @@ def summarize(
         len(fails) - skipped,
         skipped,
         stopped_early=stop.met(every),
+        wall_s=wall_time(study),
     )
 
 

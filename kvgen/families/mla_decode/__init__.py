@@ -110,6 +110,16 @@ class MLADecodeSpec(VariantSpec):
             "staged_row_bytes": 0,
         }
 
+    def rows_derived(self, row_bytes: int) -> dict[str, Any]:
+        """What the rows templates take beyond ``derived``: rows of ``row_bytes`` bytes."""
+        return {
+            "tile": SCHED_BLOCK,  # keys a tile = the page the kernel takes
+            "row_bytes": row_bytes,
+            "dv_pad": self.head_dim_v,
+            # the combine takes every sequence in ``splits`` pieces
+            "even_pieces": True,
+        }
+
     def default_meta(self, rows: int) -> dict[str, int]:
         if self.variant == "rows":
             # two pages in flight; about 4 programs an SM, pieces of at most 16 pages (the
@@ -167,13 +177,7 @@ class MLADecodeDSMLASpec(MLADecodeSpec):
             "staged_row_bytes": ds_mla_row_bytes(self.head_dim_v, self.rope),
         }
         if self.variant == "rows":
-            out |= {
-                "tile": SCHED_BLOCK,  # keys a tile = the page the kernel takes
-                "row_bytes": ds_mla_row_bytes(self.head_dim_v, self.rope),
-                "dv_pad": self.head_dim_v,
-                # the combine takes every sequence in ``splits`` pieces
-                "even_pieces": True,
-            }
+            out |= self.rows_derived(ds_mla_row_bytes(self.head_dim_v, self.rope))
         return out
 
 
@@ -230,11 +234,5 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
             "staged_row_bytes": row_bytes,
         }
         if self.variant == "rows":
-            out |= {
-                "tile": SCHED_BLOCK,  # keys a tile = the page the kernel takes
-                "row_bytes": row_bytes,
-                "dv_pad": self.head_dim_v,
-                # the combine takes every sequence in ``splits`` pieces
-                "even_pieces": True,
-            }
+            out |= self.rows_derived(row_bytes)
         return out
