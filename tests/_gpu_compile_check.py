@@ -365,8 +365,9 @@ for gs, group, bufs, row_align in (
 
 # The MLA decode's Hopper rows variants (Gluon: the keys as the MMAs' rows) over fp8_ds_mla and
 # MXFP4 (group 32, with and without the RoPE part): N of 16 and 8, two and three pages in
-# flight; their TMA descriptors typed with their shared layouts, in the order the launcher
-# builds them
+# flight, and fp8_ds_mla's wide kernel (N 32, 8 warps, two pages a tile); each kernel and its
+# TMA descriptors as the launcher picks them (``kernel_for``), the descriptors typed with their
+# shared layouts
 ROWS_MLA = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
 TENSORDESC = {torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32", torch.bfloat16: "bf16"}
 TENSORDESC[torch.uint8] = "u8"
@@ -376,23 +377,28 @@ for rows_spec in (
     MLADecodeMXFP4Spec(512, 512, "bf16", "rows", "sm90", "gpu"),
 ):
     rows_mod = load(rows_spec)
-    rows_descs = rows_mod.descriptors(torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8))
-    types = {
-        "q_ptr": "*bf16",
-        "block_table_ptr": "*i32",
-        "seqlens_ptr": "*i32",
-        "order_ptr": "*i32",
-    }
-    types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
-    names = ("codes_desc", "scale_desc", "rope_desc")[: len(rows_descs)]
-    for arg, d in zip(names, rows_descs, strict=True):
-        box = ", ".join(map(str, d.block_shape))
-        types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
-    for heads, bufs, ordered in ((16, 2, True), (5, 3, False)):
-        constexprs = {"N": rows_mod.mma_n(heads), "NUM_BUF": bufs, "ORDERED": ordered}
-        kernel = compile_fn(rows_spec.name, rows_mod.split_kernel, types, constexprs)
+    rows_cache = torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8)
+    cases = [(16, 2, True), (5, 3, False)]
+    if rows_mod.UNOFFERED_MAX_HEADS > 16:
+        cases.append((rows_mod.UNOFFERED_MAX_HEADS, 2, True))
+    for heads, bufs, ordered in cases:
+        n = rows_mod.mma_n(heads)
+        rows_kernel, _, warps, rows_descs = rows_mod.kernel_for(n, rows_cache)
+        types = {
+            "q_ptr": "*bf16",
+            "block_table_ptr": "*i32",
+            "seqlens_ptr": "*i32",
+            "order_ptr": "*i32",
+        }
+        types |= {"o_acc_ptr": "*fp32", "lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
+        names = ("codes_desc", "scale_desc", "rope_desc")[: len(rows_descs)]
+        for arg, d in zip(names, rows_descs, strict=True):
+            box = ", ".join(map(str, d.block_shape))
+            types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
+        constexprs = {"N": n, "NUM_BUF": bufs, "ORDERED": ordered}
+        kernel = compile_fn(rows_spec.name, rows_kernel, types, constexprs, warps)
         if ordered:
-            compile_ones(rows_spec.name, rows_mod.split_kernel, types, constexprs)
+            compile_ones(rows_spec.name, rows_kernel, types, constexprs, warps)
         if kernel is not None:
             used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
             if used != [d.block_shape for d in rows_descs]:

@@ -626,6 +626,94 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     assert mod.accepts(q, cache) is None
 
 
+def _wide_specs():
+    """The rows kernels with a wide kernel (more than 16 heads): fp8_ds_mla's."""
+    return hopper([s for s in _rows_specs() if getattr(s, "name", "").find("ds_mla") >= 0], "rows")
+
+
+@pytest.mark.parametrize("h_q", [17, 24, 32])
+@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_wide_kernel_over_page_edges_heads_and_splits(spec, h_q, device):
+    """The wide kernel (17-32 heads: N 32, 8 warps, tiles of two pages) through the launcher:
+    lengths around every page and tile edge (an odd number of pages leaves a tile's second page
+    past the sequence: page 0 stands in, unused), whole sequences and pieces of one tile, NaN
+    bytes past each sequence's end; against the float64 reference (out within 1e-2, lse within
+    1e-3, out 0 and lse +inf for a sequence of no keys)."""
+    from kvgen.verify import compare_attention
+
+    q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q, spec=spec)
+    ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
+    for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
+        out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=split_factor,
+                                piece_tiles=piece_tiles, max_heads=32)  # fmt: skip
+        ok, rel, detail = compare_attention(out, lse, ref, ref_lse)
+        assert ok, (split_factor, piece_tiles, rel, detail)
+        assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
+
+
+@pytest.mark.parametrize("bad", BAD_TABLES)
+@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_wide_kernel_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+    """As for the 4-warp kernel: a page outside the cache or a length past the table is never
+    read, and only that sequence's out and lse are NaN."""
+    q, cache, table, sl, _ = _rows_case([200, 130, 70], 32, device, seed=3, spec=spec)
+    kw = {"split_factor": 4, "piece_tiles": 1, "max_heads": 32}
+    good, good_lse = _rows_launch(spec, q, cache, table, sl, **kw)
+    table, sl = spoil_table(table, sl, bad, cache.shape[0], 64)
+    out, lse = _rows_launch(spec, q, cache, table, sl, **kw)
+    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
+
+
+@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
+def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, device):
+    """A query head that is not finite gives NaN for that head; a key with a NaN tile scale
+    gives NaN for its whole sequence; the rest as the reference."""
+    from kvgen.verify import compare_attention
+
+    q, cache, table, sl, deq = _rows_case([70, 5, 140], 32, device, seed=5, spec=spec)
+    q = q.clone()
+    q[0, 0, 1, 7] = float("nan")
+    q[1, 0, 27, q.shape[3] - 1] = -float("inf")  # (in the RoPE part)
+    cache = cache.clone()
+    page, row = int(table[2, 1]), 3  # key 67 of sequence 2: scale tile 2, an fp32 NaN
+    cache[page, row, 0, 512 + 8 : 512 + 12] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
+    out, lse = _rows_launch(spec, q, cache, table, sl, max_heads=32)
+    assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 0, 1].float()).all()
+    assert torch.isnan(lse[1, 27]).all() and torch.isnan(out[1, 0, 27].float()).all()
+    assert torch.isnan(out[2].float()).all() and torch.isnan(lse[2]).all()
+    ref, ref_lse = mla_decode(q[:1, :, 2:].cpu(), deq.cpu(), table[:1].cpu(), sl[:1].cpu(), 512)
+    ok, rel, detail = compare_attention(out[:1, :, 2:], lse[:1, 2:], ref, ref_lse)
+    assert ok, (rel, detail)
+
+
+def test_rows_wide_kernel_is_generated_but_not_offered():
+    """fp8_ds_mla's rows module carries the wide kernel (17-32 heads: N 32, 8 warps, tiles of
+    two pages) and the launcher reaches it with ``max_heads``, but its ``accepts`` refuses more
+    than 16 heads by default, so the op does not give it any until its tests have run on a GPU;
+    no kernel takes more than 32. (Loads the module only: the CPU's interpreter does not run
+    Gluon.)"""
+    from kvgen.codegen import load
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec
+
+    mod = load(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"))
+    cache = torch.zeros(4, 64, 1, 656, dtype=torch.uint8)
+    assert (mod.MAX_HEADS, mod.UNOFFERED_MAX_HEADS) == (16, 32)
+    assert [mod.mma_n(h) for h in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    kernel, tile, warps, descs = mod.kernel_for(32, cache)
+    assert (kernel, tile, warps) == (mod.split_kernel_wide, 128, 8)
+    assert [d.block_shape for d in descs] == [[64, 128], [64, 4], [64, 64]]
+    assert mod.kernel_for(16, cache)[:3] == (mod.split_kernel, 64, 4)
+
+    def q(heads):
+        return torch.zeros(2, 1, heads, 576, dtype=torch.bfloat16)
+
+    assert mod.accepts(q(16), cache) is None
+    assert "at most 16" in mod.accepts(q(17), cache)
+    assert mod.accepts(q(32), cache, max_heads=32) is None
+    assert "at most 32" in mod.accepts(q(33), cache, max_heads=64)
+
+
 def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
     """The op takes the rows variant for fp8_ds_mla caches on sm90, one query of at most 16
     heads a sequence in pages of 64 back to back, and only where tuning measured it faster

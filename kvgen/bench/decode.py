@@ -4,6 +4,7 @@ measured in the same run, FlashMLA's headline shapes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 
 import torch
@@ -75,8 +76,9 @@ def _make(lengths, heads, device, dtype=torch.bfloat16, seed=0, h_kv=1):
 def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None, unoffered=False):
     """(label, call) pairs for the 576/512 decode (bf16 queries) on cache ``k`` in format
     ``fmt``: every variant this arch has for that cache (of ``variants``, default all; with
-    ``unoffered``, also those kvgen generates but does not offer yet; with ``heads``, those
-    whose launcher ``accepts`` one query of that many heads), launched
+    ``unoffered``, also those kvgen generates but does not offer yet, and a rows module's
+    kernels up to the heads they take (``UNOFFERED_MAX_HEADS``); with ``heads``, those whose
+    launcher ``accepts`` one query of that many heads), launched
     directly with its tuned (or default) meta-parameters, and ``auto`` (``auto <fmt>`` for a
     quantized cache): the op, whose wrapper picks the variant. ``call(q, table, seqlens, meta,
     splits) -> (out, lse)``."""
@@ -103,11 +105,18 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None, uno
             spec = cls(HEAD_DIM, HEAD_DIM_V, "bf16", v, arch, target)
         except SpecError:
             continue
+        mod = load(spec)
+        # unoffered: also the heads a rows module's kernels take beyond what the op gives them
+        wide = {}
+        if unoffered and hasattr(mod, "UNOFFERED_MAX_HEADS"):
+            wide = {"max_heads": mod.UNOFFERED_MAX_HEADS}
         if heads is not None:
             probe = torch.empty(1, 1, heads, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-            if not accepts(spec, k, heads, probe):
+            if wide and mod.accepts(probe, k, **wide) is not None:
                 continue
-        launch = load(spec).launch
+            if not wide and not accepts(spec, k, heads, probe):
+                continue
+        launch = functools.partial(mod.launch, **wide)
 
         def call(q, table, sl, meta, splits, launch=launch, spec=spec):
             mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])
