@@ -200,8 +200,8 @@ def quantized_variants(fmt: str):
 def mla_rows(fmt: str = "fp8_ds_mla") -> None:
     """The MLA decode's Hopper rows variant over ``fmt`` (fp8_ds_mla, or MXFP4 with the RoPE
     part) through its launcher, whether or not kvgen offers it yet: N of 8 and 16, two and
-    three pages in flight, fp8_ds_mla's wide kernel at 32 heads, whole sequences and many
-    pieces, against the bf16 decode over the
+    three pages in flight, fp8_ds_mla's wide kernel (two pages a tile) at 32 and 16 heads,
+    whole sequences and many pieces, against the bf16 decode over the
     dequantized cache (out within the decode's 1e-2: fp16 weights there, bf16 ones in the bf16
     decode); block tables naming pages outside the cache and lengths past the table (never
     read: NaN)."""
@@ -220,16 +220,16 @@ def mla_rows(fmt: str = "fp8_ds_mla") -> None:
     one = torch.ones(1, device=DEV)
     cache = quantized_caches(k, one, (fmt,))[fmt]
     deq = dequantized(fmt, cache, one)
-    cases = [(16, 2, 1), (5, 3, 16)]
+    cases = [(16, 2, 1, 1), (5, 3, 16, 1)]
     wide = load(spec).UNOFFERED_MAX_HEADS
     if wide > 16:  # the wide kernel (two pages a tile), whether or not the op gives it heads yet
-        cases.append((wide, 2, 16))
-    for h_q, stages, split_factor in cases:
+        cases += [(wide, 2, 16, 2), (16, 2, 1, 2)]
+    for h_q, stages, split_factor, pages in cases:
         q = torch.randn(len(lengths), 1, h_q, 576, device=DEV).to(torch.bfloat16)
         meta, splits = get_mla_metadata(sl, h_q, 1)
         want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits)
         mp = {"num_stages": stages, "split_factor": split_factor, "piece_tiles": 1}
-        mp["max_heads"] = wide
+        mp |= {"pages_per_tile": pages, "max_heads": wide}
         out, _ = launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
         rel = float((out.float() - want.float()).norm() / want.float().norm())
         check(f"{spec.name} h_q={h_q} {mp} (rel. error {rel:.2e})", rel < 1e-2)

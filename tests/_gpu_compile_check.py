@@ -365,9 +365,9 @@ for gs, group, bufs, row_align in (
 
 # The MLA decode's Hopper rows variants (Gluon: the keys as the MMAs' rows) over fp8_ds_mla and
 # MXFP4 (group 32, with and without the RoPE part): N of 16 and 8, two and three pages in
-# flight, and fp8_ds_mla's wide kernel (N 32, 8 warps, two pages a tile); each kernel and its
-# TMA descriptors as the launcher picks them (``kernel_for``), the descriptors typed with their
-# shared layouts
+# flight, and fp8_ds_mla's wide kernel (8 warps, two pages a tile) at N 32 and 16; each kernel
+# and its TMA descriptors as the launcher picks them (``kernel_for``), the descriptors typed
+# with their shared layouts
 ROWS_MLA = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
 TENSORDESC = {torch.float8_e4m3fn: "fp8e4nv", torch.float32: "fp32", torch.bfloat16: "bf16"}
 TENSORDESC[torch.uint8] = "u8"
@@ -378,12 +378,12 @@ for rows_spec in (
 ):
     rows_mod = load(rows_spec)
     rows_cache = torch.zeros(4, 64, 1, rows_mod.ROW_BYTES, dtype=torch.uint8)
-    cases = [(16, 2, True), (5, 3, False)]
-    if rows_mod.UNOFFERED_MAX_HEADS > 16:
-        cases.append((rows_mod.UNOFFERED_MAX_HEADS, 2, True))
-    for heads, bufs, ordered in cases:
+    cases = [(16, 2, True, 1), (5, 3, False, 1)]
+    if rows_mod.UNOFFERED_MAX_HEADS > 16:  # (heads, pages in flight, ordered, pages a tile)
+        cases += [(rows_mod.UNOFFERED_MAX_HEADS, 2, True, 2), (16, 2, False, 2)]
+    for heads, bufs, ordered, pages in cases:
         n = rows_mod.mma_n(heads)
-        rows_kernel, _, warps, rows_descs = rows_mod.kernel_for(n, rows_cache)
+        rows_kernel, _, warps, rows_descs = rows_mod.kernel_for(n, rows_cache, pages)
         types = {
             "q_ptr": "*bf16",
             "block_table_ptr": "*i32",
@@ -396,9 +396,10 @@ for rows_spec in (
             box = ", ".join(map(str, d.block_shape))
             types[arg] = f"tensordesc<{TENSORDESC[d.base.dtype]}[{box}],{d.layout!r}>"
         constexprs = {"N": n, "NUM_BUF": bufs, "ORDERED": ordered}
-        kernel = compile_fn(rows_spec.name, rows_kernel, types, constexprs, warps)
+        label = rows_spec.name + (" wide" if pages == 2 else "")
+        kernel = compile_fn(label, rows_kernel, types, constexprs, warps)
         if ordered:
-            compile_ones(rows_spec.name, rows_kernel, types, constexprs, warps)
+            compile_ones(label, rows_kernel, types, constexprs, warps)
         if kernel is not None:
             used = [m["block_size"] for m in kernel.metadata.tensordesc_meta]
             if used != [d.block_shape for d in rows_descs]:

@@ -631,10 +631,10 @@ def _wide_specs():
     return hopper([s for s in _rows_specs() if getattr(s, "name", "").find("ds_mla") >= 0], "rows")
 
 
-@pytest.mark.parametrize("h_q", [17, 24, 32])
+@pytest.mark.parametrize("h_q", [1, 8, 13, 16, 17, 24, 32])
 @pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_wide_kernel_over_page_edges_heads_and_splits(spec, h_q, device):
-    """The wide kernel (17-32 heads: N 32, 8 warps, tiles of two pages) through the launcher:
+    """The wide kernel (8 warps, tiles of two pages; N 8, 16 and 32) through the launcher:
     lengths around every page and tile edge (an odd number of pages leaves a tile's second page
     past the sequence: page 0 stands in, unused), whole sequences and pieces of one tile, NaN
     bytes past each sequence's end; against the float64 reference (out within 1e-2, lse within
@@ -645,7 +645,8 @@ def test_rows_wide_kernel_over_page_edges_heads_and_splits(spec, h_q, device):
     ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
     for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
         out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=split_factor,
-                                piece_tiles=piece_tiles, max_heads=32)  # fmt: skip
+                                piece_tiles=piece_tiles, pages_per_tile=2,
+                                max_heads=32)  # fmt: skip
         ok, rel, detail = compare_attention(out, lse, ref, ref_lse)
         assert ok, (split_factor, piece_tiles, rel, detail)
         assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
@@ -688,13 +689,14 @@ def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, device):
 
 
 def test_rows_wide_kernel_is_generated_but_not_offered():
-    """fp8_ds_mla's rows module carries the wide kernel (17-32 heads: N 32, 8 warps, tiles of
-    two pages) and the launcher reaches it with ``max_heads``, but its ``accepts`` refuses more
-    than 16 heads by default, so the op does not give it any until its tests have run on a GPU;
-    no kernel takes more than 32. (Loads the module only: the CPU's interpreter does not run
-    Gluon.)"""
+    """fp8_ds_mla's rows module carries the wide kernel (8 warps, tiles of two pages; the one
+    kernel for 17-32 heads) and the launcher reaches it with ``max_heads`` (and with
+    ``pages_per_tile`` 2 at 16 heads or fewer), but its ``accepts`` refuses more than 16 heads
+    by default, so the op does not give it any until its tests have run on a GPU; no kernel
+    takes more than 32. MXFP4's rows module has no wide kernel. (Loads the modules only: the
+    CPU's interpreter does not run Gluon.)"""
     from kvgen.codegen import load
-    from kvgen.families.mla_decode import MLADecodeDSMLASpec
+    from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeMXFP4Spec
 
     mod = load(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"))
     cache = torch.zeros(4, 64, 1, 656, dtype=torch.uint8)
@@ -704,6 +706,15 @@ def test_rows_wide_kernel_is_generated_but_not_offered():
     assert (kernel, tile, warps) == (mod.split_kernel_wide, 128, 8)
     assert [d.block_shape for d in descs] == [[64, 128], [64, 4], [64, 64]]
     assert mod.kernel_for(16, cache)[:3] == (mod.split_kernel, 64, 4)
+    assert mod.kernel_for(16, cache, 2)[:3] == (mod.split_kernel_wide, 128, 8)
+    with pytest.raises(ValueError, match="pages_per_tile 1 at N 32"):
+        mod.kernel_for(32, cache, 1)
+    with pytest.raises(ValueError, match="num_stages 3: tiles of two pages take 2"):
+        mod.kernel_for(16, cache, 2, num_stages=3)
+    mx = load(MLADecodeMXFP4Spec(576, 512, "bf16", "rows", "sm90", "gpu"))
+    assert (mx.MAX_HEADS, mx.UNOFFERED_MAX_HEADS) == (16, 16)
+    with pytest.raises(ValueError, match="tiles of one page"):
+        mx.kernel_for(16, torch.zeros(4, 64, 1, mx.ROW_BYTES, dtype=torch.uint8), 2)
 
     def q(heads):
         return torch.zeros(2, 1, heads, 576, dtype=torch.bfloat16)

@@ -123,6 +123,10 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None, uno
             return launch(q, k, table, sl, meta, splits, scale, False, **mp, **extra)
 
         out.append((spec.name, call))
+        if wide and hasattr(mod, "split_kernel_wide") and (heads or 0) <= 16:
+            # the rows kernel of two pages a tile, where the op takes the one of one page
+            two = functools.partial(launch, pages_per_tile=2)
+            out.append((f"{spec.name} pages_per_tile=2", functools.partial(call, launch=two)))
     if fmt == "bf16":
         from kvgen.ops import flash_mla_with_kvcache
 
