@@ -1,6 +1,7 @@
 """flash_mla_with_kvcache over the fp8_ds_mla cache written by kvgen's store: against kvgen's
 bf16 decode over the dequantized cache (exact in bf16) and the float64 reference."""
 
+import itertools
 import math
 
 import pytest
@@ -527,38 +528,61 @@ def test_rows_order_kernel_ranks_sequences_longest_first(batch, device):
     assert order.tolist() == want
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
-@pytest.mark.parametrize("h_q", [1, 8, 13, 16])
-@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
-def test_rows_variant_over_page_edges_heads_and_splits(spec, h_q, num_stages, device):
-    """The rows kernel through its launcher: lengths around every page edge (0, 1 and long
-    ones), N of 8 and of 16 (heads padded with zero queries, 13 not a power of two), the fewest
-    and the most pages in flight (a wrong phase of the ring reads a page before or after it is
-    there), whole sequences and many pieces of one; the rows past each sequence's end are NaN
-    bytes, which must not reach the output; against the float64 reference over the dequantized
-    cache (the decode's contract: out within 1e-2, lse within 1e-3, out 0 and lse +inf for a
-    sequence of no keys)."""
+WIDE = {"pages_per_tile": 2, "max_heads": 32}  # fp8_ds_mla's wide kernel, not offered yet
+
+
+def _rows_kernels(heads=(16,), stages=(2,), wide_only=False):
+    """(spec, launch kwargs, heads, num_stages) cases of every rows kernel: each spec's 4-warp
+    kernel (tiles of one page, at most 16 heads, two or three stages; not with ``wide_only``)
+    and fp8_ds_mla's wide kernel (``WIDE``: tiles of two pages, up to 32 heads, two stages)."""
+    specs = [s for s in _rows_specs() if getattr(s, "name", None)]
+    if not specs:  # (no sm90 GPU)
+        skip = pytest.mark.skip(reason="rows: an sm90 GPU only")
+        return [pytest.param(None, {}, 0, 0, marks=skip, id="rows")]
+    cases = []
+    for spec, h, n in itertools.product(specs, heads, stages):
+        if h <= 16 and not wide_only:
+            cases.append(pytest.param(spec, {}, h, n, id=f"{spec.name}-h{h}-s{n}"))
+        if "ds_mla" in spec.name and n == 2:
+            cases.append(pytest.param(spec, WIDE, h, n, id=f"{spec.name}-wide-h{h}"))
+    return cases
+
+
+@pytest.mark.parametrize(("spec", "kw", "h_q", "num_stages"),
+                         _rows_kernels((1, 8, 13, 16, 17, 24, 32), (2, 3)))  # fmt: skip
+def test_rows_variant_over_page_edges_heads_and_splits(spec, kw, h_q, num_stages, device):
+    """Each rows kernel through its launcher: lengths around every page edge (0, 1 and long
+    ones; an odd number of pages leaves the wide kernel's last tile a second page past the
+    sequence: page 0 stands in, unused), N of 8, 16 and (the wide kernel) 32 (heads padded
+    with zero queries, 13 not a power of two), the fewest and the most pages in flight (a wrong
+    phase of the ring reads a page before or after it is there), whole sequences and many
+    pieces of one; the rows past each sequence's end are NaN bytes, which must not reach the
+    output; against the float64 reference over the dequantized cache (the decode's contract:
+    out within 1e-2, lse within 1e-3, out 0 and lse +inf for a sequence of no keys)."""
     from kvgen.verify import compare_attention
 
     q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q, spec=spec)
     ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
     for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
-        out, lse = _rows_launch(spec, q, cache, table, sl, num_stages=num_stages,
-                                split_factor=split_factor, piece_tiles=piece_tiles)  # fmt: skip
+        mp = {"num_stages": num_stages, "split_factor": split_factor, "piece_tiles": piece_tiles}
+        out, lse = _rows_launch(spec, q, cache, table, sl, **mp, **kw)
         ok, rel, detail = compare_attention(out, lse, ref, ref_lse)
         assert ok, (split_factor, piece_tiles, rel, detail)
         assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
 
 
 @pytest.mark.parametrize("bad", BAD_TABLES)
-@pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
-def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
+@pytest.mark.parametrize(("spec", "kw", "h_q", "num_stages"), _rows_kernels((16, 32)))
+def test_rows_variant_bad_block_table_gives_nan_for_that_sequence_only(
+    spec, kw, h_q, num_stages, bad, device
+):
     """A page outside the cache, or a length past what the table holds, is never read (TMA
     boxes of page 0 stand in): that sequence's out and lse are NaN, the others exact as before."""
-    q, cache, table, sl, _ = _rows_case([200, 130, 70], 16, device, seed=3, spec=spec)
-    good, good_lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    q, cache, table, sl, _ = _rows_case([200, 130, 70], h_q, device, seed=3, spec=spec)
+    kw = {"split_factor": 4, "piece_tiles": 1, "num_stages": num_stages, **kw}
+    good, good_lse = _rows_launch(spec, q, cache, table, sl, **kw)
     table, sl = spoil_table(table, sl, bad, cache.shape[0], 64)
-    out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=4, piece_tiles=1)
+    out, lse = _rows_launch(spec, q, cache, table, sl, **kw)
     assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
     assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
 
@@ -626,48 +650,8 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     assert mod.accepts(q, cache) is None
 
 
-def _wide_specs():
-    """The rows kernels with a wide kernel (more than 16 heads): fp8_ds_mla's."""
-    return hopper([s for s in _rows_specs() if getattr(s, "name", "").find("ds_mla") >= 0], "rows")
-
-
-@pytest.mark.parametrize("h_q", [1, 8, 13, 16, 17, 24, 32])
-@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
-def test_rows_wide_kernel_over_page_edges_heads_and_splits(spec, h_q, device):
-    """The wide kernel (8 warps, tiles of two pages; N 8, 16 and 32) through the launcher:
-    lengths around every page and tile edge (an odd number of pages leaves a tile's second page
-    past the sequence: page 0 stands in, unused), whole sequences and pieces of one tile, NaN
-    bytes past each sequence's end; against the float64 reference (out within 1e-2, lse within
-    1e-3, out 0 and lse +inf for a sequence of no keys)."""
-    from kvgen.verify import compare_attention
-
-    q, cache, table, sl, deq = _rows_case(MANY_LENGTHS, h_q, device, seed=h_q, spec=spec)
-    ref, ref_lse = mla_decode(q.cpu(), deq.cpu(), table.cpu(), sl.cpu(), 512)
-    for split_factor, piece_tiles in ((1, 0), (16, 1), (4, 16)):
-        out, lse = _rows_launch(spec, q, cache, table, sl, split_factor=split_factor,
-                                piece_tiles=piece_tiles, pages_per_tile=2,
-                                max_heads=32)  # fmt: skip
-        ok, rel, detail = compare_attention(out, lse, ref, ref_lse)
-        assert ok, (split_factor, piece_tiles, rel, detail)
-        assert (out.cpu()[ref_lse.permute(0, 2, 1).isinf()] == 0).all()  # no key: out 0
-
-
-@pytest.mark.parametrize("bad", BAD_TABLES)
-@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
-def test_rows_wide_kernel_bad_block_table_gives_nan_for_that_sequence_only(spec, bad, device):
-    """As for the 4-warp kernel: a page outside the cache or a length past the table is never
-    read, and only that sequence's out and lse are NaN."""
-    q, cache, table, sl, _ = _rows_case([200, 130, 70], 32, device, seed=3, spec=spec)
-    kw = {"split_factor": 4, "piece_tiles": 1, "max_heads": 32}
-    good, good_lse = _rows_launch(spec, q, cache, table, sl, **kw)
-    table, sl = spoil_table(table, sl, bad, cache.shape[0], 64)
-    out, lse = _rows_launch(spec, q, cache, table, sl, **kw)
-    assert torch.isnan(out[1].float()).all() and torch.isnan(lse[1]).all()
-    assert torch.equal(out[[0, 2]], good[[0, 2]]) and torch.equal(lse[[0, 2]], good_lse[[0, 2]])
-
-
-@pytest.mark.parametrize("spec", _wide_specs(), ids=lambda s: getattr(s, "name", "rows"))
-def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, device):
+@pytest.mark.parametrize(("spec", "kw", "h_q", "num_stages"), _rows_kernels((32,), wide_only=True))
+def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, kw, h_q, num_stages, device):
     """A query head that is not finite gives NaN for that head; a key with a NaN tile scale
     gives NaN for its whole sequence; the rest as the reference."""
     from kvgen.verify import compare_attention
@@ -679,7 +663,7 @@ def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, device):
     cache = cache.clone()
     page, row = int(table[2, 1]), 3  # key 67 of sequence 2: scale tile 2, an fp32 NaN
     cache[page, row, 0, 512 + 8 : 512 + 12] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
-    out, lse = _rows_launch(spec, q, cache, table, sl, max_heads=32)
+    out, lse = _rows_launch(spec, q, cache, table, sl, **kw)
     assert torch.isnan(lse[0, 1]).all() and torch.isnan(out[0, 0, 1].float()).all()
     assert torch.isnan(lse[1, 27]).all() and torch.isnan(out[1, 0, 27].float()).all()
     assert torch.isnan(out[2].float()).all() and torch.isnan(lse[2]).all()
