@@ -5,7 +5,9 @@ that triton.jit yields real JITFunctions. Prints one line per kernel; exits 1 on
 With KVGEN_PTX_DIR set, each kernel's PTX (its debug sections, which name the cache's paths,
 cut) is written there, a file per (label, constexprs) whose first line names them:
 ``benchmarks/ptx_compare.py`` compares two such folders, e.g. of a change's base and head, to
-show which kernels a change to the templates changed at all."""
+show which kernels a change to the templates changed at all. With KVGEN_SASS_DIR set, each
+kernel's SASS and resource usage go there: ``benchmarks/sass_stats.py`` lists (or compares)
+their registers, stack, shared memory, instructions and main loop."""
 
 import hashlib
 import os
@@ -62,6 +64,7 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
         assert kernel.asm["cubin"]
         print(f"ok   {label} {constexprs}")
         keep_ptx(label, constexprs, kernel.asm["ptx"])
+        keep_sass(label, constexprs, kernel)
         return kernel
     except Exception as exc:  # report every kernel, then fail
         failures += 1
@@ -127,6 +130,25 @@ compile_fn(
     {"cache_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": "*bf16"},
     {"ROWS": 4},
 )
+
+
+def keep_sass(label, constexprs, kernel) -> None:
+    """Write ``kernel``'s SASS under KVGEN_SASS_DIR (when set), after a line naming it and one
+    of its resource usage (cuobjdump's registers and stack a thread, the shared memory), for
+    ``benchmarks/sass_stats.py``."""
+    folder = os.environ.get("KVGEN_SASS_DIR")
+    if not folder:
+        return
+    name = f"{label} {sorted(constexprs.items())}"
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout  # fmt: skip
+    usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
+    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.sass"
+    path.write_text(f"// {name}\n// {usage} SHARED:{kernel.metadata.shared}\n{sass(kernel)}")
 
 
 def sass(kernel) -> str:
