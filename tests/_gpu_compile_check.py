@@ -85,6 +85,36 @@ def keep_ptx(label, constexprs, ptx: str) -> None:
     path.write_text(f"// {name}\n" + "\n".join(lines[:cut]) + "\n")
 
 
+def keep_sass(label, constexprs, kernel) -> None:
+    """Write ``kernel``'s SASS under KVGEN_SASS_DIR (when set), after a line naming it and one
+    of its resource usage (cuobjdump's registers and stack a thread, the shared memory), for
+    ``benchmarks/sass_stats.py``."""
+    folder = os.environ.get("KVGEN_SASS_DIR")
+    if not folder:
+        return
+    name = f"{label} {sorted(constexprs.items())}"
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout  # fmt: skip
+    usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
+    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.sass"
+    path.write_text(f"// {name}\n// {usage} SHARED:{kernel.metadata.shared}\n{sass(kernel)}")
+
+
+def sass(kernel) -> str:
+    """``kernel``'s SASS, read with Triton's own nvdisasm."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def compile_ones(label, fn, types, constexprs, warps=4, aligned=(), **options):
     """``compile_fn`` with every integer argument 1, which a launch passes as the constant 1
     (Triton specialises an integer argument equal to 1): a cache of one block, one sequence, one
@@ -130,36 +160,6 @@ compile_fn(
     {"cache_ptr": "*u8", "slot_ptr": "*i64", "out_ptr": "*bf16"},
     {"ROWS": 4},
 )
-
-
-def keep_sass(label, constexprs, kernel) -> None:
-    """Write ``kernel``'s SASS under KVGEN_SASS_DIR (when set), after a line naming it and one
-    of its resource usage (cuobjdump's registers and stack a thread, the shared memory), for
-    ``benchmarks/sass_stats.py``."""
-    folder = os.environ.get("KVGEN_SASS_DIR")
-    if not folder:
-        return
-    name = f"{label} {sorted(constexprs.items())}"
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        res = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout  # fmt: skip
-    usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
-    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.sass"
-    path.write_text(f"// {name}\n// {usage} SHARED:{kernel.metadata.shared}\n{sass(kernel)}")
-
-
-def sass(kernel) -> str:
-    """``kernel``'s SASS, read with Triton's own nvdisasm."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def byte_accesses(kernel, op: str = "STG") -> int:
