@@ -214,14 +214,14 @@ def mla_rows(fmt: str = "fp8_ds_mla") -> None:
         return
     spec_class = MLADecodeDSMLASpec if fmt == "fp8_ds_mla" else MLADecodeMXFP4Spec
     spec = spec_class(576, 512, "bf16", "rows", arch, target)
-    launch = load(spec).launch
+    mod = load(spec)
     lengths = [70, 0, 1, 130, 64, 257]
     k, table, sl, blocks = _mla_pages(lengths)
     one = torch.ones(1, device=DEV)
     cache = quantized_caches(k, one, (fmt,))[fmt]
     deq = dequantized(fmt, cache, one)
     cases = [(16, 2, 1, 1), (5, 3, 16, 1)]
-    wide = load(spec).UNOFFERED_MAX_HEADS
+    wide = mod.UNOFFERED_MAX_HEADS
     if wide > 16:  # the wide kernel (two pages a tile), whether or not the op gives it heads yet
         cases += [(wide, 2, 16, 2), (16, 2, 1, 2)]
     for h_q, stages, split_factor, pages in cases:
@@ -230,13 +230,13 @@ def mla_rows(fmt: str = "fp8_ds_mla") -> None:
         want, _ = flash_mla_with_kvcache(q, deq, table, sl, 512, meta, splits)
         mp = {"num_stages": stages, "split_factor": split_factor, "piece_tiles": 1}
         mp |= {"pages_per_tile": pages, "max_heads": wide}
-        out, _ = launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
+        out, _ = mod.launch(q, cache, table, sl, meta, splits, 576**-0.5, False, **mp)
         rel = float((out.float() - want.float()).norm() / want.float().norm())
         check(f"{spec.name} h_q={h_q} {mp} (rel. error {rel:.2e})", rel < 1e-2)
         bad, bad_sl = table.clone(), sl.clone()
         bad[0, 1], bad[3, 0] = -1, blocks  # a negative page, one past the last
         bad_sl[2] = 10**6  # far past its table row
-        got, lse = launch(q, cache, bad, bad_sl, meta, splits, 576**-0.5, False, **mp)
+        got, lse = mod.launch(q, cache, bad, bad_sl, meta, splits, 576**-0.5, False, **mp)
         check(f"{spec.name} h_q={h_q} bad pages -> NaN", _nan_for(got, lse, out, (0, 2, 3)))
 
 

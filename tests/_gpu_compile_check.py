@@ -72,16 +72,24 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
         return None
 
 
+def kept_file(env: str, label, constexprs, suffix: str) -> tuple[Path | None, str]:
+    """``(path, name)``: where a kernel's ``suffix`` file goes under the folder ``env`` names
+    (None when it is not set), and the kernel's name (label and constexprs)."""
+    folder = os.environ.get(env)
+    name = f"{label} {sorted(constexprs.items())}"
+    if not folder:
+        return None, name
+    return Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}{suffix}", name
+
+
 def keep_ptx(label, constexprs, ptx: str) -> None:
     """Write ``ptx`` under KVGEN_PTX_DIR (when set), cut before its first debug section."""
-    folder = os.environ.get("KVGEN_PTX_DIR")
-    if not folder:
+    path, name = kept_file("KVGEN_PTX_DIR", label, constexprs, ".ptx")
+    if path is None:
         return
-    name = f"{label} {sorted(constexprs.items())}"
     lines = ptx.splitlines()
     cut = next((i for i, line in enumerate(lines) if re.match(r"\s*\.section\s+\.debug", line)),
                len(lines))  # fmt: skip
-    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.ptx"
     path.write_text(f"// {name}\n" + "\n".join(lines[:cut]) + "\n")
 
 
@@ -89,30 +97,28 @@ def keep_sass(label, constexprs, kernel) -> None:
     """Write ``kernel``'s SASS under KVGEN_SASS_DIR (when set), after a line naming it and one
     of its resource usage (cuobjdump's registers and stack a thread, the shared memory), for
     ``benchmarks/sass_stats.py``."""
-    folder = os.environ.get("KVGEN_SASS_DIR")
-    if not folder:
+    path, name = kept_file("KVGEN_SASS_DIR", label, constexprs, ".sass")
+    if path is None:
         return
-    name = f"{label} {sorted(constexprs.items())}"
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    res = cubin_tool(kernel, "cuobjdump", "--dump-resource-usage")
+    usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
+    path.write_text(f"// {name}\n// {usage} SHARED:{kernel.metadata.shared}\n{sass(kernel)}")
+
+
+def cubin_tool(kernel, tool: str, *args: str) -> str:
+    """The output of Triton's own ``tool`` (nvdisasm, cuobjdump) over ``kernel``'s cubin."""
+    exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        res = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name],
-                             capture_output=True, text=True).stdout  # fmt: skip
-    usage = " ".join(re.findall(r"(?:REG|STACK):\d+", res))
-    path = Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.sass"
-    path.write_text(f"// {name}\n// {usage} SHARED:{kernel.metadata.shared}\n{sass(kernel)}")
+        out = subprocess.run([str(exe), *args, f.name], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def sass(kernel) -> str:
     """``kernel``'s SASS, read with Triton's own nvdisasm."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        out = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    return cubin_tool(kernel, "nvdisasm", "-c")
 
 
 def compile_ones(label, fn, types, constexprs, warps=4, aligned=(), **options):

@@ -107,23 +107,23 @@ def _callers(device, k, fmt="bf16", k_scale=None, variants=None, heads=None, uno
             continue
         mod = load(spec)
         # unoffered: also the heads a rows module's kernels take beyond what the op gives them
-        wide = {}
+        limit = {}
         if unoffered and hasattr(mod, "UNOFFERED_MAX_HEADS"):
-            wide = {"max_heads": mod.UNOFFERED_MAX_HEADS}
+            limit = {"max_heads": mod.UNOFFERED_MAX_HEADS}
         if heads is not None:
             probe = torch.empty(1, 1, heads, HEAD_DIM, dtype=torch.bfloat16, device="meta")
-            if wide and mod.accepts(probe, k, **wide) is not None:
+            if limit and mod.accepts(probe, k, **limit) is not None:
                 continue
-            if not wide and not accepts(spec, k, heads, probe):
+            if not limit and not accepts(spec, k, heads, probe):
                 continue
-        launch = functools.partial(mod.launch, **wide)
+        launch = functools.partial(mod.launch, **limit)
 
         def call(q, table, sl, meta, splits, launch=launch, spec=spec):
             mp = runtime.meta_params(spec, rows=q.shape[1] * q.shape[2])
             return launch(q, k, table, sl, meta, splits, scale, False, **mp, **extra)
 
         out.append((spec.name, call))
-        if wide and hasattr(mod, "split_kernel_wide") and (heads or 0) <= 16:
+        if limit and hasattr(mod, "split_kernel_wide") and (heads or 0) <= 16:
             # the rows kernel of two pages a tile, where the op takes the one of one page
             two = functools.partial(launch, pages_per_tile=2)
             out.append((f"{spec.name} pages_per_tile=2", functools.partial(call, launch=two)))
