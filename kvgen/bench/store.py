@@ -11,6 +11,7 @@ import torch
 from kvgen import _dtypes
 from kvgen._math import cdiv
 from kvgen.bench import harness
+from kvgen.bench._floor_kernel import scatter_rows
 
 TOKENS = (1, 16, 256, 4096, 65536)
 BLOCK_SIZE = 64
@@ -34,6 +35,10 @@ class Row:
     latency_ratio: float = 0.0  # graph time / same-bytes copy graph time
     correct: bool = False
     default_graph_us: float | None = None  # the template's defaults instead of tuned configs
+    # the store's floor (``_floor_kernel``: its bytes between the same addresses, no format
+    # arithmetic) in the same run, where the op has one: its time and its fraction of copy
+    floor_graph_us: float | None = None
+    floor_bw_ratio: float | None = None
 
 
 @dataclasses.dataclass
@@ -48,6 +53,7 @@ class Case:
     step: Callable[[int], None]
     check: Callable[[], bool]
     data: list | None = None  # the rotated input sets, for callers that launch themselves
+    floor: Callable[[int], None] | None = None  # the same bytes moved without the format's math
 
 
 def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
@@ -74,6 +80,9 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         def step(i, xs=xs, slots=slots, caches=caches):
             store_mxfp4_mla(xs[i], slots[i], caches[i], group)
 
+        def floor(i, xs=xs, slots=slots, caches=caches):
+            scatter_rows(xs[i], slots[i], caches[i], pitch)
+
         def check(xs=xs, slots=slots, caches=caches, t=t, latent=latent):
             x = torch.randn(t, latent, device=device).to(dtype)  # fresh data, not the timed set
             caches[0].fill_(0xFF)
@@ -91,6 +100,7 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
             step,
             check,
             data=list(zip(xs, slots, caches, strict=True)),
+            floor=floor if pitch % 4 == 0 else None,
         )
 
 
@@ -106,6 +116,7 @@ def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat1
     spec = ConcatAndCacheMLASpec(fmt, 512, 64, _dtypes.NAME[dtype], arch, target)
     elem = dtype if fmt == "auto" else torch.uint8
     width = spec.row_bytes // elem.itemsize
+    rope_bytes = 64 * (1 if fmt in ("fp8", "fp8_e4m3") else 2)  # the row's last bytes
     scale = torch.tensor([0.05], device=device)
     for t in tokens:
         blocks = cdiv(t, BLOCK_SIZE) + 1
@@ -121,6 +132,11 @@ def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat1
         def step(i, kvs=kvs, pes=pes, caches=caches, slots=slots):
             concat_and_cache_mla(kvs[i], pes[i], caches[i], slots[i], fmt, scale)
 
+        def floor(i, kvs=kvs, pes=pes, caches=caches, slots=slots):
+            row = caches[i].view(torch.uint8)
+            scatter_rows(kvs[i], slots[i], row, spec.row_bytes - rope_bytes)
+            scatter_rows(pes[i], slots[i], row[..., spec.row_bytes - rope_bytes :], rope_bytes)
+
         def check(caches=caches, slots=slots, t=t):
             kv, pe = torch.randn(t, 512, device=device).to(dtype), torch.randn(t, 64).to(dtype)
             pe = pe.to(device)
@@ -132,7 +148,7 @@ def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat1
 
         data = list(zip(kvs, pes, caches, slots, strict=True))
         moved = in_bytes + t * spec.row_bytes
-        yield Case("concat_and_cache_mla", spec.name, t, moved, n_sets, step, check, data=data)
+        yield Case("concat_and_cache_mla", spec.name, t, moved, n_sets, step, check, data, floor)
 
 
 def mxfp4_gather_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
@@ -201,6 +217,9 @@ def run(cases, device, copy_bw: float, progress=None, compare_default=False) -> 
         row.gbps = case.bytes / (graph * 1e-6) / 1e9
         row.bw_ratio = row.gbps * 1e9 / copy_bw
         row.latency_ratio = graph / copy
+        if case.floor is not None:
+            row.floor_graph_us = harness.graph_time_us(case.floor, case.n_sets)
+            row.floor_bw_ratio = case.bytes / (row.floor_graph_us * 1e-6) / copy_bw
         row.correct = case.check()
         rows.append(row)
         if progress is not None:
@@ -242,10 +261,11 @@ def kv_cases(
     int4 = fmt == "int4"
     width = cdiv(head_size, 2) if int4 else head_size
     groups = cdiv(head_size, 32)
+    scale_bytes = groups * 2 if int4 else 4
     for t in tokens:
         blocks = cdiv(t, KV_BLOCK_SIZE) + 1
         in_bytes = 2 * t * heads * head_size * dtype.itemsize + t * 8
-        out_bytes = 2 * t * heads * (width + (groups * 2 if int4 else 4))
+        out_bytes = 2 * t * heads * (width + scale_bytes)
         cache_bytes = 2 * blocks * KV_BLOCK_SIZE * heads * (width + 8)
         n_sets = harness.sets_for(in_bytes + cache_bytes)
 
@@ -281,9 +301,18 @@ def kv_cases(
         def check(sets=sets, op=op):
             return kv_store_checker(sets[0])(op)
 
+        def floor(i, sets=sets):
+            k, v, kc, vc, ks, vs, slots = sets[i]
+            for x, codes, scales in ((k, kc, ks), (v, vc, vs)):
+                if layout == "inline":  # the scales follow the codes in the row
+                    scatter_rows(x, slots, codes, width + scale_bytes)
+                else:
+                    scatter_rows(x, slots, codes, width, scales, scale_bytes)
+
         name = f"store_kv_{fmt}-h{heads}-d{head_size}-{str(dtype)[6:]}"
         name += "-inline" if layout == "inline" else ""
-        yield Case(name.split("-")[0], name, t, in_bytes + out_bytes, n_sets, step, check, sets)
+        moved = in_bytes + out_bytes
+        yield Case(name.split("-")[0], name, t, moved, n_sets, step, check, sets, floor)
 
 
 def poison(*tensors: torch.Tensor) -> None:
