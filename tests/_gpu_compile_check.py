@@ -600,4 +600,29 @@ for spec in (
             failures += 1
             print(f"FAIL {spec.name} {kernel.fn.__name__}: splits is specialised (1 / 16 / other)")
 
+# kvgen bench's store floor (the stores' bytes between the same addresses, no format arithmetic):
+# it must move bytes at the widest the layout allows, or it is no floor: the input by 16-byte
+# loads, the rows by 16-byte stores on caches whose strides are multiples of 16 bytes, by 4-byte
+# ones (never narrower) on vLLM's 132-byte rows.
+from kvgen.bench._floor_kernel import scatter_rows_kernel, warps_for  # noqa: E402
+
+floor_types = {"src_ptr": "*bf16", "slot_ptr": "*i64", "dst_ptr": "*u8", "aux_ptr": "*fp32"}
+floor = {"IN_W": 64, "HEADS_P": 8, "OUT_P": 32, "AUX_P": 1}
+for label, constexprs, aligned, want in (
+    ("floor separate int8 8x128", {**floor, "OUT_W": 32, "AUX_W": 1},
+     ("src_ptr", "dst_ptr", "aux_ptr", "d_block", "d_slot", "d_head", "a_block", "a_slot"),
+     "STG.E.128"),
+    ("floor inline int8 8x128", {**floor, "OUT_W": 33, "AUX_W": 0, "OUT_P": 64}, ("src_ptr",),
+     "STG.E "),
+):  # fmt: skip
+    warps = warps_for(constexprs["HEADS_P"] * constexprs["OUT_P"])
+    kernel = compile_fn(label, scatter_rows_kernel, floor_types, constexprs, warps, aligned)
+    if kernel is not None:
+        text = sass(kernel)
+        narrow = len(re.findall(r"STG\.E\.(?:U8|S8|U16|S16)", text))
+        ok = want in text and "LDG.E.128" in text and not narrow
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: loads by LDG.E.128, stores by "
+              f"{want.strip()}, {narrow} narrower")  # fmt: skip
+
 sys.exit(1 if failures else 0)

@@ -10,13 +10,18 @@ from kvgen.families.per_token_head.verify import inline_row, inline_views
 
 
 def fold(src: torch.Tensor, heads: int, out_words: int) -> torch.Tensor:
-    """[tokens, heads, out_words] int32: word j of a row is the XOR of the row's input words
-    j, j + out_words, j + 2 out_words, ... (the floor's output, written from its definition)."""
+    """[tokens, heads, out_words] int32, the floor's row from its definition: with P the
+    power of two at or above out_words, word j is the XOR of the row's input words i with
+    i % P == j, and word 0 also takes the XOR of those that land on j >= out_words."""
     words = src.contiguous().view(torch.int32).reshape(src.shape[0], heads, -1)
-    out = torch.zeros(src.shape[0], heads, out_words, dtype=torch.int32)
-    for start in range(0, words.shape[2], out_words):
-        piece = words[:, :, start : start + out_words]
-        out[:, :, : piece.shape[2]] ^= piece
+    p = 1 << (out_words - 1).bit_length()
+    acc = torch.zeros(src.shape[0], heads, p, dtype=torch.int32)
+    for start in range(0, words.shape[2], p):
+        piece = words[:, :, start : start + p]
+        acc[:, :, : piece.shape[2]] ^= piece
+    out = acc[:, :, :out_words].clone()
+    for j in range(out_words, p):
+        out[:, :, 0] ^= acc[:, :, j]
     return out
 
 

@@ -1,13 +1,16 @@
 """A store's floor: the same bytes moved between the same addresses, none of the format's math.
 
 ``scatter_rows`` reads each (token, head)'s input row whole and writes a row of the cache's
-bytes at the token's slot, through the cache's own strides, in 4-byte words (the widest access
-every cache layout kvgen stores allows: vLLM's inline-scale rows start at multiples of 4 bytes),
-and optionally a second, smaller row (a separate scale cache) at the same slot. What it writes
-is an XOR fold of the input row's words, so no load can be left out. A store timed against its
-floor in the same run tells how much of its distance from the copy bandwidth is the access
-pattern (rows that are not whole 32-byte sectors, written at random slots) and how much is the
-kernel's own.
+bytes at the token's slot, through the cache's own strides: 16 bytes an access where the
+cache's address and strides are multiples of 16 bytes, else 4 (vLLM's inline-scale rows start
+at multiples of 4 bytes; ``tests/_gpu_compile_check.py`` checks both), and optionally a second,
+smaller row (a separate scale cache) at the same slot. What it writes is an XOR fold of the
+input row's words, so that no load can be left out: with P the row's words rounded up to a
+power of two (the input is read in aligned pieces of P words), word j is the XOR of the input
+words i with i % P == j, and word 0 also takes those that land past the row. A store timed
+against its floor in the same run tells how much of its distance from the copy bandwidth is
+the access pattern (rows that are not whole 32-byte sectors, written at random slots) and how
+much is the kernel's own.
 """
 
 from __future__ import annotations
@@ -49,9 +52,12 @@ def scatter_rows_kernel(
     rows = (h < heads)[:, None] & (j < OUT_W)[None, :]
     src = src_ptr.to(tl.pointer_type(tl.int32)) + (tok.to(tl.int64) * heads + h[:, None]) * IN_W
     acc = tl.zeros((HEADS_P, OUT_P), dtype=tl.int32)
-    for k in tl.static_range(0, IN_W, OUT_W):  # the input row in pieces of OUT_W words
+    for k in tl.static_range(0, IN_W, OUT_P):  # the input row in aligned pieces of OUT_P words
         idx = k + j[None, :]
-        acc ^= tl.load(src + idx, mask=rows & (idx < IN_W), other=0)
+        acc ^= tl.load(src + idx, mask=(h < heads)[:, None] & (idx < IN_W), other=0)
+    # the words past OUT_W fold into word 0 (so that their loads are not dropped)
+    spill = tl.xor_sum(tl.where(j[None, :] >= OUT_W, acc, 0), axis=1)
+    acc ^= tl.where(j[None, :] == 0, spill[:, None], 0)
     dst = dst_ptr.to(tl.pointer_type(tl.int32)) + block * d_block + off * d_slot
     tl.store(dst + h[:, None] * d_head + j[None, :], acc, mask=rows & valid)
     if AUX_W > 0:
@@ -60,6 +66,12 @@ def scatter_rows_kernel(
         aux = aux_ptr.to(tl.pointer_type(tl.int32)) + block * a_block + off * a_slot
         mask = (h < heads)[:, None] & (a < AUX_W)[None, :] & valid
         tl.store(aux + h[:, None] * a_head + a[None, :], word[:, None] + a[None, :], mask=mask)
+
+
+def warps_for(words: int) -> int:
+    """Warps for a program's ``words`` (a power of two): 4 words (16 bytes) a thread, the widest
+    access, where 1-8 warps allow it."""
+    return max(1, min(8, words // 128))
 
 
 def _words(t: torch.Tensor, what: str, dims: int) -> tuple[int, ...]:
@@ -98,6 +110,7 @@ def scatter_rows(
     d = _words(cache, "cache", 3 if cache.dim() == 4 else 2) + (0,)
     a = (0, 0, 0) if aux is None else _words(aux, "aux", 3)
     blocks, page = cache.shape[:2]
+    heads_p, out_p = triton.next_power_of_2(heads), triton.next_power_of_2(out_w)
     scatter_rows_kernel[(tokens,)](
         src,
         slots,
@@ -111,8 +124,8 @@ def scatter_rows(
         IN_W=in_w,
         OUT_W=out_w,
         AUX_W=aux_w,
-        HEADS_P=triton.next_power_of_2(heads),
-        OUT_P=triton.next_power_of_2(out_w),
+        HEADS_P=heads_p,
+        OUT_P=out_p,
         AUX_P=triton.next_power_of_2(max(aux_w, 1)),
-        num_warps=4,
+        num_warps=warps_for(heads_p * out_p),
     )
