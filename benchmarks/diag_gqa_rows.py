@@ -60,9 +60,9 @@ INT4_PATCHES = {
     ],
     "nokscale": [
         (
-            rf"        k_sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
+            rf"( +)k_sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
             r"\.to\(gl\.float32\)\n",
-            r"        k_sc\1 = gl.where(ok, 1.0, 0.0)\n",
+            r"\1k_sc\2 = gl.where(ok, 1.0, 0.0)\n",
         )
     ],
     "nolo": [
@@ -90,9 +90,9 @@ INT4_PATCHES = {
 INT8_PATCHES = {
     "noscale": [
         (
-            r"        ([kv])_sc = gl\.load\(\w+ \+ page \* \w+ \+ slot \* \w+, mask=ok, "
+            r"( +)([kv])_sc = gl\.load\(\w+ \+ page \* \w+ \+ slot \* \w+, mask=ok, "
             r"other=0\.0\)\n",
-            r"        \1_sc = gl.where(ok, 1.0, 0.0)\n",
+            r"\1\2_sc = gl.where(ok, 1.0, 0.0)\n",
         )
     ],
     "nolo": [
