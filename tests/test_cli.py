@@ -329,6 +329,16 @@ def test_bench_plot_from_a_bench_document(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
     only_stores = plots.bench_plot({**doc, "decode": []}, tmp_path / "stores.png")
     assert only_stores.exists()
+
+    def panels(png) -> int:  # the figure is 7.5 inches a panel at 120 dpi
+        return round(int.from_bytes(png.read_bytes()[16:20], "big") / 900)
+
+    assert panels(path) == 2
+    # stores with their floors' times: a panel of floor time / store time between them
+    floored = [{**r, "graph_us": 2.0, "floor_graph_us": 1.5} for r in stores]
+    floored += [{**stores[0], "variant": "gather_mxfp4_mla", "floor_graph_us": None}]
+    with_floors = plots.bench_plot({**doc, "results": floored}, tmp_path / "floors.png")
+    assert panels(with_floors) == 3
     with pytest.raises(ValueError, match="no results"):
         plots.bench_plot({**doc, "decode": [], "results": []}, tmp_path / "none.png")
 

@@ -42,11 +42,14 @@ def _short(variant: str) -> str:
 
 def bench_plot(doc: dict, path: Path) -> Path:
     """From a ``kvgen bench`` document (its ``--json``): achieved GB/s against tokens for every
-    store op with the same run's copy bandwidth drawn, and the decode's TFLOP/s against query
-    heads with the same run's bf16 matmul rate drawn."""
+    store op with the same run's copy bandwidth drawn, each store's time against its floor's
+    (where the document has floors), and the decode's TFLOP/s against query heads with the same
+    run's bf16 matmul rate drawn."""
     plt = require_matplotlib()
     stores, decode = doc.get("results") or [], doc.get("decode") or []
-    panels = [p for p in ("stores", "decode") if {"stores": stores, "decode": decode}[p]]
+    floors = [r for r in stores if r.get("floor_graph_us")]
+    have = {"stores": stores, "floors": floors, "decode": decode}
+    panels = [p for p in ("stores", "floors", "decode") if have[p]]
     if not panels:
         raise ValueError("the bench document holds no results to plot")
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5.5), squeeze=False)
@@ -54,6 +57,8 @@ def bench_plot(doc: dict, path: Path) -> Path:
     for ax, panel in zip(axes[0], panels, strict=True):
         if panel == "stores":
             _stores_panel(ax, stores, doc["copy_bandwidth_GBps"])
+        elif panel == "floors":
+            _floors_panel(ax, floors)
         else:
             _decode_panel(ax, decode, doc.get("matmul_TFLOPs"))
     commit = (doc.get("env", {}).get("commit") or "")[:12]
@@ -87,6 +92,28 @@ def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
         ax,
         ("tokens per call", "GB/s (fewest bytes moved / CUDA-graph time)"),
         "stores and readers against the same run's copy bandwidth",
+        "lower right",
+    )
+
+
+def _floors_panel(ax, rows: list[dict]) -> None:
+    """Each store's floor time over its own (1: the store moves its bytes as fast as a kernel
+    with no arithmetic moves them to the same addresses)."""
+    markers = itertools.cycle("os^vD<>phx*")
+    ordered = sorted(rows, key=lambda r: (r["variant"], r["num_tokens"]))
+    for variant, group in itertools.groupby(ordered, key=lambda r: r["variant"]):
+        group = list(group)
+        ax.plot(
+            [r["num_tokens"] for r in group],
+            [r["floor_graph_us"] / r["graph_us"] for r in group],
+            marker=next(markers),
+            label=_short(variant),
+        )
+    ax.axhline(1.0, color="black", linestyle="--", label="at the floor")
+    _finish(
+        ax,
+        ("tokens per call", "floor time / store time"),
+        "stores against their floors (same bytes, same addresses, no format math)",
         "lower right",
     )
 
