@@ -89,8 +89,8 @@ def _operands(line):
 
 def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute ``asm`` (one block of the subset of PTX the dequantizers use, an instruction a
-    line) on uint32 arrays; ``inputs`` maps operands ($2, ...) to their values. Returns every
-    register.
+    line) on uint32 arrays; ``inputs`` maps operands ($2, ...) and special registers
+    (``%nsmid``) to their values. Returns every register.
 
     Inline asm may give an output operand the register of an input, so the interpreter
     refuses an input read after an output was written."""
@@ -127,7 +127,7 @@ def _step(line, regs, inputs):
     if instr == "mov.b32" and len(args) == 2:  # {lo, hi}: the halves' low 16 bits
         regs[dests[0]] = (args[0] & U32(0xFFFF)) | ((args[1] & U32(0xFFFF)) << U32(16))
         return
-    if instr == "mov.b32":
+    if instr in ("mov.b32", "mov.u32"):
         r = args[0]
     elif instr == "prmt.b32" and srcs[2][0].isdigit():
         r = prmt(args[0], args[1], int(srcs[2], 0))
@@ -135,7 +135,7 @@ def _step(line, regs, inputs):
         r = prmt_by(args[0], args[1], args[2])
     elif instr == "shl.b32":
         r = args[0] << args[1]
-    elif instr == "shr.b32":
+    elif instr in ("shr.b32", "shr.u32"):
         r = args[0] >> args[1]
     elif instr == "and.b32":
         r = args[0] & args[1]
