@@ -75,17 +75,22 @@ def _save(plt, fig, title: str, path: Path) -> Path:
     return path
 
 
-def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
+def _per_variant(ax, rows: list[dict], y) -> None:
+    """A line a variant: ``y(row)`` against its rows' tokens."""
     markers = itertools.cycle("os^vD<>phx*")
     ordered = sorted(rows, key=lambda r: (r["variant"], r["num_tokens"]))
     for variant, group in itertools.groupby(ordered, key=lambda r: r["variant"]):
         group = list(group)
         ax.plot(
             [r["num_tokens"] for r in group],
-            [r["gbps"] for r in group],
+            [y(r) for r in group],
             marker=next(markers),
             label=_short(variant),
         )
+
+
+def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
+    _per_variant(ax, rows, lambda r: r["gbps"])
     ax.axhline(copy_gbps, color="black", linestyle="--", label=f"copy {copy_gbps:.0f} GB/s")
     ax.set_yscale("log")
     _finish(
@@ -99,16 +104,7 @@ def _stores_panel(ax, rows: list[dict], copy_gbps: float) -> None:
 def _floors_panel(ax, rows: list[dict]) -> None:
     """Each store's floor time over its own (1: the store moves its bytes as fast as a kernel
     with no arithmetic moves them to the same addresses)."""
-    markers = itertools.cycle("os^vD<>phx*")
-    ordered = sorted(rows, key=lambda r: (r["variant"], r["num_tokens"]))
-    for variant, group in itertools.groupby(ordered, key=lambda r: r["variant"]):
-        group = list(group)
-        ax.plot(
-            [r["num_tokens"] for r in group],
-            [r["floor_graph_us"] / r["graph_us"] for r in group],
-            marker=next(markers),
-            label=_short(variant),
-        )
+    _per_variant(ax, rows, lambda r: r["floor_graph_us"] / r["graph_us"])
     ax.axhline(1.0, color="black", linestyle="--", label="at the floor")
     _finish(
         ax,
