@@ -340,16 +340,18 @@ def gqa_rows(kv: str, dtype: str) -> None:
     ``dtype`` queries: the fewest and the most tiles in flight, a page size whose tiles cross
     pages, vLLM's inline rows, two causal queries a sequence, and block tables naming pages
     outside the cache and lengths past the table (never read)."""
+    from kvgen.families.gqa_decode import GQADecodeSpec, available
     from kvgen.families.gqa_decode.verify import make_caches
     from kvgen.formats.gqa_decode import gqa_decode
     from kvgen.verify import block_table
     from kvgen.verify import compare_attention as compare
 
-    specs = registry.variants(*runtime.local_target(), "gqa_decode")
-    specs = [s for s in specs if s.variant == "rows" and (s.kv, s.dtype) == (kv, dtype)]
-    if kv == "int4":  # (each scale group once, the default one with both query dtypes)
-        groups = (32, 64) if dtype == "bf16" else (32, 128)
-        specs = [s for s in specs if s.group in groups]
+    # every form the template generates, offered or not (int4: each scale group once, the
+    # default one with both query dtypes)
+    arch, target = runtime.local_target()
+    groups = ((32, 64) if dtype == "bf16" else (32, 128)) if kv == "int4" else (0,)
+    specs = [GQADecodeSpec(128, 128, dtype, kv, g, "rows", arch, target) for g in groups]
+    specs = specs if available("rows", arch, target) else []
     check(f"gqa rows variant for {kv}, {dtype} queries found", bool(specs) or DEV.type != "cuda")
     gen = torch.Generator().manual_seed(0)
     seqlens = [70, 0, 1, 130, 64, 257]

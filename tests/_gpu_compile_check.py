@@ -345,7 +345,7 @@ for gs, words, pow2 in (
     no_narrower(f"{gs.name} {constexprs}", aligned, inline, row, "LDG")
     compile_ones(gs.name, fn, types, {**constexprs, "ROW_ALIGN": 16})
 
-# The GQA decode's Hopper variant (rows: Gluon, integer / e4m3 MMAs): each format, both query
+# The GQA decode's Hopper variant (rows: Gluon, integer / fp8 MMAs): each format, both query
 # dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
 # flight; rows at multiples of 16 bytes (the caches and their block, row and head strides passed
 # as multiples of 16) and vLLM's 132-byte rows (4-byte aligned: nothing specialised), whose K
@@ -358,6 +358,9 @@ for gs, group, bufs, row_align in (
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2, 16),
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 8, 2, 4),
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 16, 3, 4),
+    # fp8 e5m2 (generated, not offered): e5m2 x e4m3 MMAs for PV
+    (GQADecodeSpec(128, 128, "bf16", "fp8e5m2", 0, "rows", "sm90", "gpu"), 8, 2, 16),
+    (GQADecodeSpec(128, 128, "fp16", "fp8e5m2", 0, "rows", "sm90", "gpu"), 4, 3, 4),
     # int4: each scale group the kernel reads, vLLM's 72-byte rows (group 32: 8-aligned) and
     # 68-byte rows (group 64: 4-aligned)
     (GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu"), 4, 2, 16),
@@ -381,7 +384,7 @@ for gs, group, bufs, row_align in (
                   "CAUSAL": causal}  # fmt: skip
     kernel = compile_fn(f"{gs.name} rows at {row_align} bytes", fn, types, constexprs,
                         aligned=aligned)  # fmt: skip
-    if (gs.kv, group) in (("int8", 4), ("fp8e4m3", 8), ("int4", 4)):
+    if (gs.kv, group) in (("int8", 4), ("fp8e4m3", 8), ("fp8e5m2", 8), ("int4", 4)):
         compile_ones(gs.name, fn, types, constexprs)
     if kernel is not None:
         code = sass(kernel)

@@ -12,7 +12,7 @@ from _hopper import BAD_TABLES, MANY_LENGTHS, hopper, spoil_table, tuned_doc
 
 from kvgen import _dtypes, registry
 from kvgen.codegen import load
-from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.families.gqa_decode import ROWS_FORMATS, ROWS_OFFERED, GQADecodeSpec, available
 from kvgen.families.gqa_decode.verify import alloc_caches, make_caches
 from kvgen.formats.gqa_decode import gqa_decode
 from kvgen.ops import flash_attn_with_kvcache
@@ -193,7 +193,15 @@ def test_int4_group_follows_the_scale_shape(device):
 # --- the Hopper variant (rows: Gluon, integer / e4m3 MMAs; an sm90 GPU only)
 
 ARCH, TARGET = local_target()
-ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode"), "rows")
+# every rows form the template generates: those kvgen offers, and those not yet offered (their
+# tests are what offering them waits for)
+_UNOFFERED = [
+    GQADecodeSpec(128, 128, dt, kv, 0, "rows", ARCH, TARGET)
+    for dt in ("bf16", "fp16")
+    for kv in sorted(set(ROWS_FORMATS) - set(ROWS_OFFERED))
+    if available("rows", ARCH, TARGET)
+]
+ROWS = hopper(registry.variants(ARCH, TARGET, "gqa_decode") + _UNOFFERED, "rows")
 
 
 def _rows_case(spec, device, *, seqlens=MANY_LENGTHS, h_q=8, h_kv=2, page=16, seed=0,
@@ -392,14 +400,17 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(h_q=32, h_kv=1) == "portable"  # 32 query heads a KV head
     assert pick(page=24) == "portable"
     assert pick(kv="fp8e4m3") == "portable"  # its rows variant is not tuned
-    assert pick(kv="fp8e5m2") == "portable"  # no rows form
     assert pick(kv="int4") == "portable"  # its rows variant is not tuned
     for group in (32, 128):
         spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
         entries[spec.name] = {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}
+    # the e5m2 rows form is generated, not offered: never chosen, even with a tuned entry
+    e5m2 = GQADecodeSpec(128, 128, "bf16", "fp8e5m2", 0, "rows", "sm90", "gpu")
+    entries[e5m2.name] = {"rows=4": {"meta": meta, "time_us": 100.0, "default_time_us": 310.0}}
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick(kv="int4") == "rows"  # tuned: the untuned portable counts as slower
+    assert pick(kv="fp8e5m2") == "portable"
     assert pick(kv="int4", layout="inline") == "rows"  # 72-byte rows: 4-byte pieces
     assert pick(kv="int4", group=128) == "rows"
     assert pick(kv="int4", group=128, layout="inline") == "portable"  # 66-byte rows: refused

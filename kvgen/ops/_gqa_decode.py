@@ -10,6 +10,7 @@ from kvgen import _dtypes, configs, runtime
 from kvgen._math import cdiv
 from kvgen.families.gqa_decode import (
     INT4_GROUPS,
+    ROWS_OFFERED,
     VARIANTS,
     GQADecodeSpec,
     available,
@@ -132,8 +133,9 @@ def num_sms(device: torch.device) -> int:
 
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
-    Hopper variant (rows) only where it has been tuned on this arch (tuning checks every
-    candidate against the reference on the GPU), its spec exists and its launcher accepts the
+    Hopper variant (rows) only where kvgen offers it for the format (``ROWS_OFFERED``), it has
+    been tuned on this arch (tuning checks every candidate against the reference on the GPU),
+    its spec exists and its launcher accepts the
     tensors (``accepts``: up to 8 queries a sequence, at most 16 query rows a KV head, rows at
     multiples of 4 bytes, an int4 form's scale caches ``ks``, ``vs``, ...); the portable one
     otherwise."""
@@ -145,6 +147,7 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
         spec
         for variant in VARIANTS
         if variant != "portable" and available(variant, arch, target)
+        if variant != "rows" or fmt in ROWS_OFFERED
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
         if spec is not None and configs.tuned_time(spec, rows=rows) is not None
