@@ -161,3 +161,27 @@ def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
             scale = torch.from_numpy(s.astype(np.uint16).view(np.float16))
             want = (level * scale).numpy().view(np.uint16).astype(U32)  # (one fp16 rounding)
             assert np.array_equal(regs[f"${2 * j + e}"], want), (j, e)
+
+
+# --- the portable variant's int4 levels on the GPU (byte permutes of the fp32 levels' planes)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_int4_portable_levels_are_the_signed_fp32_levels(dtype):
+    """``int4_levels`` (gpu target): four codes (one an input) as their signed fp32 levels, bit
+    for bit (code 8 is -0.0), over every combination of four codes; the table operands from
+    ``level_planes``."""
+    from kvgen.formats.per_token_head import INT4_LEVELS
+
+    spec = GQADecodeSpec(128, 128, dtype, "int4", 32, "portable", "sm90", "gpu")
+    codes = np.indices((16,) * 4).reshape(4, -1).astype(U32)  # every four codes
+    regs = run_ptx(asm_of(spec, "level_planes"), {"%nsmid": np.full(1, 132, dtype=U32)})
+    # (pack 4: each argument is 4 operands; a plane's are its word 4 times)
+    planes = {f"${8 + 4 * i + j}": np.broadcast_to(regs[f"${i}"], codes[0].shape)
+              for i in range(8) for j in range(4)}  # fmt: skip
+    out = run_ptx(asm_of(spec, "int4_levels"), {f"${4 + k}": codes[k] for k in range(4)} | planes)
+    levels = np.array(INT4_LEVELS, dtype=np.float32)
+    for k in range(4):
+        magnitude = levels[codes[k] & 7]
+        want = np.where(codes[k] & 8, -magnitude, magnitude).astype(np.float32).view(U32)
+        assert np.array_equal(out[f"${k}"], want), k

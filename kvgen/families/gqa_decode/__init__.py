@@ -65,6 +65,21 @@ def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
     return words(his), words(los)
 
 
+def _int4_level_planes() -> tuple[str, ...]:
+    """The int4 levels' fp32 bit patterns as byte-permute tables, one plane a byte: for byte
+    b = 0..3 of the fp32 level, two words holding that byte of magnitudes 0-3 and of 4-7
+    (magnitude m in byte m % 4), as PTX hex literals, planes in byte order."""
+    import struct
+
+    levels = formats.per_token_head.INT4_LEVELS
+    bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
+    planes = []
+    for b in range(4):
+        plane = [(x >> (8 * b)) & 0xFF for x in bits]
+        planes += [sum(v << (8 * i) for i, v in enumerate(plane[j : j + 4])) for j in (0, 4)]
+    return tuple(f"0x{w:08x}" for w in planes)
+
+
 def _size_ok(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 16 <= v <= 256 and v % 8 == 0
 
@@ -147,6 +162,7 @@ class GQADecodeSpec(VariantSpec):
             out["k_tile"] = (cdiv(d_pad, min(self.group, d_pad)), min(self.group, d_pad))
             out["v_tile"] = (cdiv(dv_pad, min(self.group, dv_pad)), min(self.group, dv_pad))
             out["levels"] = [repr(v) for v in formats.per_token_head.INT4_LEVELS]
+            out["level_planes"] = _int4_level_planes()
         if self.variant == "rows":
             out["tile"] = 64  # keys a tile: the MMA's M
             if self.kv == "int4":
