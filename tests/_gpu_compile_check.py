@@ -345,6 +345,17 @@ for gs, words, pow2 in (
     no_narrower(f"{gs.name} {constexprs}", aligned, inline, row, "LDG")
     compile_ones(gs.name, fn, types, {**constexprs, "ROW_ALIGN": 16})
 
+# The portable int4 lookup takes four codes an asm (pack 4): a tile with fewer codes a thread
+# than that (16-channel heads, 16-key tiles, 8 warps: one code a thread) must still compile
+# (Triton pads the asm's operands with undefined values and drops their results)
+gs = GQADecodeSpec(16, 16, "bf16", "int4", 16, "portable", "sm90", "gpu")
+types = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "ks_ptr": "*fp16", "vs_ptr": "*fp16"}
+types |= {"block_table_ptr": "*i32", "seqlens_ptr": "*i32", "o_acc_ptr": "*fp32"}
+types |= {"lse_acc_ptr": "*fp32", "scale_log2": "fp32"}
+constexprs = {"CAUSAL": False, "BLOCK_H": 16, "BLOCK_N": 16, "NUM_STAGES": 2, "TILE_IN_PAGE": False}
+constexprs |= {"PAGE_POW2": True, "TABLE_BLOCK": 64, "ROW_ALIGN": 16}
+compile_fn(f"{gs.name} (8 warps, 16-key tiles)", load(gs).split_kernel, types, constexprs, 8)
+
 # The GQA decode's Hopper variant (rows: Gluon, integer / fp8 MMAs): each format, both query
 # dtypes, groups that take an N of 8 and of 16 (one not a power of two), two to four tiles in
 # flight; rows at multiples of 16 bytes (the caches and their block, row and head strides passed
