@@ -135,6 +135,20 @@ def test_rows_e4m3_quads_are_the_codes_values():
     _f16_nan_aware(np.stack([regs[f"${q}"] for q in range(4)], 1), codes)
 
 
+def test_rows_wide_e4m3_half_pairs_pair_two_keys_codes():
+    """``e4m3_half_pairs`` (the wide kernel's V operand): two codes (channels c, c + 1) of key k
+    (h0, a half-word) and of key k + 1 (h1) as fp16, in the order (c of k, c of k + 1, c + 1 of
+    k, c + 1 of k + 1); every code in every position."""
+    spec = MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu")
+    asm = asm_of(spec, "e4m3_half_pairs")
+    codes = all_bytes_in_every_position(np.random.default_rng(6))  # [n, 4]: h0's 2, h1's 2
+    h0 = codes[:, 0].astype(U32) | (codes[:, 1].astype(U32) << U32(8))
+    h1 = codes[:, 2].astype(U32) | (codes[:, 3].astype(U32) << U32(8))
+    regs = run_ptx(asm, {"$4": h0, "$5": h1})
+    for out, (col, key) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+        _f16_nan_aware(regs[f"${out}"], codes[:, 2 * key + col])
+
+
 def test_rows_e4m3_key_pairs_pair_two_keys_codes():
     """``e4m3_key_pairs``: byte q of w0 and of w1 (one channel of two keys) as fp16, in the
     order (q0 w0, q0 w1, q1 w0, q1 w1, ...) that puts a channel's two keys in one register."""
