@@ -114,9 +114,7 @@ def test_floor_refuses_what_it_cannot_address(device):
 def _cache_tensors(case) -> list[torch.Tensor]:
     """The cache tensors of a bench case's first set (what its store writes)."""
     data = case.data[0]
-    if case.op == "store_mxfp4_mla":
-        return [data[2]]
-    if case.op == "concat_and_cache_mla":
+    if case.op in ("store_mxfp4_mla", "concat_and_cache_mla"):
         return [data[2]]
     return [x for x in data[2:6] if x is not None]
 

@@ -36,11 +36,17 @@ ROWS_INT4_GROUPS = (32, 64, 128)  # the int4 scale groups it reads (a K operand 
 ROWS_OFFERED = (formats.INT8.name, formats.FP8_E4M3.name, "int4")
 
 
+def _table_words(values: list[int]) -> tuple[str, ...]:
+    """8 byte values (one a magnitude) as a byte permute's two table words, magnitude m in
+    byte m % 4 of word m // 4, as PTX hex literals."""
+    return tuple(f"0x{sum(v << (8 * i) for i, v in enumerate(values[j : j + 4])):08x}"
+                 for j in (0, 4))  # fmt: skip
+
+
 def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The int4 levels' two f16 terms (hi: the level rounded to f16, lo: what that leaves,
     rounded to f16; hi + lo is the fp32 level to within 2^-22) as byte-permute tables: for
-    each term, its 8 magnitudes' low bytes (two words, magnitude m in byte m) and high bytes
-    (two words), as PTX hex literals."""
+    each term, its 8 magnitudes' low bytes (two words) and high bytes (two words)."""
     import struct
 
     levels = formats.per_token_head.INT4_LEVELS
@@ -56,28 +62,20 @@ def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
     los = [f16_bits(fp32(v) - h) for v, h in zip(levels, hi_values, strict=True)]
 
     def words(bits: list[int]) -> tuple[str, ...]:
-        low = [b & 0xFF for b in bits]
-        high = [b >> 8 for b in bits]
-        pack = [sum(v << (8 * i) for i, v in enumerate(bytes_[j : j + 4]))
-                for bytes_ in (low, high) for j in (0, 4)]  # fmt: skip
-        return tuple(f"0x{w:08x}" for w in pack)
+        return _table_words([b & 0xFF for b in bits]) + _table_words([b >> 8 for b in bits])
 
     return words(his), words(los)
 
 
 def _int4_level_planes() -> tuple[str, ...]:
     """The int4 levels' fp32 bit patterns as byte-permute tables, one plane a byte: for byte
-    b = 0..3 of the fp32 level, two words holding that byte of magnitudes 0-3 and of 4-7
-    (magnitude m in byte m % 4), as PTX hex literals, planes in byte order."""
+    b = 0..3 of the fp32 level, the two table words of that byte of the 8 magnitudes, planes
+    in byte order."""
     import struct
 
     levels = formats.per_token_head.INT4_LEVELS
     bits = [struct.unpack("<I", struct.pack("<f", v))[0] for v in levels]
-    planes = []
-    for b in range(4):
-        plane = [(x >> (8 * b)) & 0xFF for x in bits]
-        planes += [sum(v << (8 * i) for i, v in enumerate(plane[j : j + 4])) for j in (0, 4)]
-    return tuple(f"0x{w:08x}" for w in planes)
+    return sum((_table_words([(x >> (8 * b)) & 0xFF for x in bits]) for b in range(4)), ())
 
 
 def _size_ok(v: Any) -> bool:
