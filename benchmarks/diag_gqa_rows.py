@@ -74,7 +74,7 @@ INT4_PATCHES = {
     "nokdeq": [
         (
             rf"        h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7 = "
-            rf"k_levels\(w{_NG}, tables\)\n",
+            rf"k_levels\(w{_NG}\)\n",
             r"        kx = w\1.to(gl.float16)\n"
             r"        h0, h1, h2, h3, h4, h5, h6, h7 = kx, kx, kx, kx, kx, kx, kx, kx\n"
             r"        l0, l1, l2, l3, l4, l5, l6, l7 = kx, kx, kx, kx, kx, kx, kx, kx\n",
@@ -83,7 +83,7 @@ INT4_PATCHES = {
     "novdeq": [
         (
             r"        c0e, c0o, c1e, c1o, c2e, c2o, c3e, c3o = v_levels\(hv0, hv1, "
-            r"sw\[:, :, None\], tables\)\n",
+            r"sw\[:, :, None\]\)\n",
             r"        vx = (hv0.to(gl.int32) + hv1.to(gl.int32) + sw[:, :, None]).to(gl.float16)\n"
             r"        c0e, c0o, c1e, c1o, c2e, c2o, c3e, c3o = vx, vx, vx, vx, vx, vx, vx, vx\n",
         )

@@ -109,13 +109,6 @@ def _level_terms():
     return hi, (levels - hi.astype(np.float32)).astype(np.float16)
 
 
-def _tables(spec, shape) -> list[np.ndarray]:
-    """The 8 table words ``level_tables`` makes (hi's 4, then lo's), as ``run_ptx`` inputs of
-    ``shape``; on an SM count that makes its 0 (%nsmid >> 31) any other value would show."""
-    regs = run_ptx(asm_of(spec, "level_tables"), {"%nsmid": np.full(1, 132, dtype=U32)})
-    return [np.broadcast_to(regs[f"${i}"], shape) for i in range(8)]
-
-
 def _nibble_words(rng) -> np.ndarray:
     """Words holding every code in every nibble position, and random words."""
     every = np.arange(16, dtype=np.uint64)
@@ -130,10 +123,7 @@ def test_int4_rows_k_levels_are_the_levels_two_f16_terms(group):
     lo (what that leaves, rounded to fp16), the sign on both; bit for bit."""
     w = _nibble_words(np.random.default_rng(2))
     spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
-    tables = _tables(spec, w.shape)
-    regs = run_ptx(
-        asm_of(spec, "k_levels"), {"$16": w, **{f"${17 + i}": tables[i] for i in range(8)}}
-    )
+    regs = run_ptx(asm_of(spec, "k_levels"), {"$16": w})
     hi, lo = _level_terms()
     for n in range(8):
         nib = (w >> U32(4 * n)) & U32(15)
@@ -151,9 +141,7 @@ def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
     scales = rng.uniform(-12, 12, size=(2, w.size))
     s0, s1 = (np.exp2(x).astype(np.float16).view(np.uint16).astype(U32) for x in scales)
     spec = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
-    tables = _tables(spec, w.shape)
-    inputs = {"$8": h0, "$9": h1, "$10": s0 | (s1 << U32(16))}
-    regs = run_ptx(asm_of(spec, "v_levels"), inputs | {f"${11 + i}": tables[i] for i in range(4)})
+    regs = run_ptx(asm_of(spec, "v_levels"), {"$8": h0, "$9": h1, "$10": s0 | (s1 << U32(16))})
     hi, _ = _level_terms()
     for j in range(4):
         for e, (h, s) in enumerate(((h0, s0), (h1, s1))):
