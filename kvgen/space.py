@@ -147,6 +147,12 @@ class Space:
         and with ``bucket`` also the bucket constraints (empty: it is worth timing there)."""
         return self._broken(self._names(spec), meta, bucket)
 
+    def bucket_violations(self, spec, meta: dict[str, Any], bucket: dict[str, int]) -> list[str]:
+        """Names of the bucket constraints ``meta`` breaks at ``bucket`` (the sizes of a call,
+        where an entry tuned at another bucket would be used)."""
+        names = {**self._names(spec), **meta, **bucket}
+        return [n for n, expr in self.bucket_constraints.items() if not evaluate(expr, names)]
+
     def _names(self, spec) -> dict[str, Any]:
         """What a constraint may name besides the parameters and the bucket's sizes."""
         return {**spec.fields(), **spec.derived(), **ARCH_LIMITS[spec.arch]}

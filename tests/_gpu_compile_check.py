@@ -369,7 +369,7 @@ for gs, group, bufs, row_align in (
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 13, 2, 16),
     (GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"), 8, 2, 4),
     (GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "rows", "sm90", "gpu"), 16, 3, 4),
-    # fp8 e5m2 (generated, not offered): e5m2 x e4m3 MMAs for PV
+    # fp8 e5m2: e5m2 x e4m3 MMAs for PV
     (GQADecodeSpec(128, 128, "bf16", "fp8e5m2", 0, "rows", "sm90", "gpu"), 8, 2, 16),
     (GQADecodeSpec(128, 128, "fp16", "fp8e5m2", 0, "rows", "sm90", "gpu"), 4, 3, 4),
     # int4: each scale group the kernel reads, vLLM's 72-byte rows (group 32: 8-aligned) and

@@ -170,8 +170,8 @@ def test_generated_code_passes_the_linter(tmp_path):
     from kvgen.families.gqa_decode import ROWS_INT4_GROUPS, GQADecodeSpec
     from kvgen.families.mla_decode import MLADecodeMXFP4Spec
 
-    # (and what a template generates before kvgen offers it: the GQA rows variant over int4 and
-    # fp8 e5m2, the MLA rows variant over MXFP4)
+    # (and every form a template generates, whether or not kvgen lists it: the GQA rows variant
+    # over int4 and fp8 e5m2, the MLA rows variant over MXFP4)
     unlisted = [GQADecodeSpec(128, 128, "bf16", "int4", g, "rows", "sm90", "gpu")
                 for g in ROWS_INT4_GROUPS]  # fmt: skip
     unlisted += [GQADecodeSpec(128, 128, dt, "fp8e5m2", 0, "rows", "sm90", "gpu")

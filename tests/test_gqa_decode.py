@@ -404,13 +404,15 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     for group in (32, 128):
         spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
         entries[spec.name] = {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}
-    # the e5m2 rows form is generated, not offered: never chosen, even with a tuned entry
     e5m2 = GQADecodeSpec(128, 128, "bf16", "fp8e5m2", 0, "rows", "sm90", "gpu")
     entries[e5m2.name] = {"rows=4": {"meta": meta, "time_us": 100.0, "default_time_us": 310.0}}
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick(kv="int4") == "rows"  # tuned: the untuned portable counts as slower
-    assert pick(kv="fp8e5m2") == "portable"
+    assert pick(kv="fp8e5m2") == "rows"
+    with monkeypatch.context() as m:  # a form kvgen does not offer: never chosen, even tuned
+        m.setattr(op_module, "ROWS_OFFERED", ("int8", "fp8e4m3", "int4"))
+        assert pick(kv="fp8e5m2") == "portable"
     assert pick(kv="int4", layout="inline") == "rows"  # 72-byte rows: 4-byte pieces
     assert pick(kv="int4", group=128) == "rows"
     assert pick(kv="int4", group=128, layout="inline") == "portable"  # 66-byte rows: refused

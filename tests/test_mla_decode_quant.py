@@ -528,7 +528,7 @@ def test_rows_order_kernel_ranks_sequences_longest_first(batch, device):
     assert order.tolist() == want
 
 
-WIDE = {"pages_per_tile": 2, "max_heads": 32}  # fp8_ds_mla's wide kernel, not offered yet
+WIDE = {"pages_per_tile": 2}  # fp8_ds_mla's wide kernel (two pages a tile, any N up to 32)
 
 
 def _rows_kernels(heads=(16,), stages=(2,), wide_only=False):
@@ -672,19 +672,18 @@ def test_rows_wide_kernel_non_finite_queries_and_scales_give_nan(spec, kw, h_q, 
     assert ok, (rel, detail)
 
 
-def test_rows_wide_kernel_is_generated_but_not_offered():
+def test_rows_wide_kernel_takes_17_to_32_heads():
     """fp8_ds_mla's rows module carries the wide kernel (8 warps, tiles of two pages; the one
-    kernel for 17-32 heads) and the launcher reaches it with ``max_heads`` (and with
-    ``pages_per_tile`` 2 at 16 heads or fewer), but its ``accepts`` refuses more than 16 heads
-    by default, so the op does not give it any until its tests have run on a GPU; no kernel
-    takes more than 32. MXFP4's rows module has no wide kernel. (Loads the modules only: the
-    CPU's interpreter does not run Gluon.)"""
+    kernel for 17-32 heads, reached also with ``pages_per_tile`` 2 at 16 heads or fewer); its
+    ``accepts`` takes up to 32 heads, no kernel more. MXFP4's rows module has no wide kernel
+    and takes at most 16. (Loads the modules only: the CPU's interpreter does not run
+    Gluon.)"""
     from kvgen.codegen import load
     from kvgen.families.mla_decode import MLADecodeDSMLASpec, MLADecodeMXFP4Spec
 
     mod = load(MLADecodeDSMLASpec(576, 512, "bf16", "rows", "sm90", "gpu"))
     cache = torch.zeros(4, 64, 1, 656, dtype=torch.uint8)
-    assert (mod.MAX_HEADS, mod.UNOFFERED_MAX_HEADS) == (16, 32)
+    assert (mod.MAX_HEADS, mod.UNOFFERED_MAX_HEADS) == (32, 32)
     assert [mod.mma_n(h) for h in (1, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
     kernel, tile, warps, descs = mod.kernel_for(32, cache)
     assert (kernel, tile, warps) == (mod.split_kernel_wide, 128, 8)
@@ -703,16 +702,19 @@ def test_rows_wide_kernel_is_generated_but_not_offered():
     def q(heads):
         return torch.zeros(2, 1, heads, 576, dtype=torch.bfloat16)
 
-    assert mod.accepts(q(16), cache) is None
-    assert "at most 16" in mod.accepts(q(17), cache)
-    assert mod.accepts(q(32), cache, max_heads=32) is None
+    assert mod.accepts(q(16), cache) is None and mod.accepts(q(32), cache) is None
+    assert "at most 32" in mod.accepts(q(33), cache)
     assert "at most 32" in mod.accepts(q(33), cache, max_heads=64)
+    assert "at most 16" in mod.accepts(q(17), cache, max_heads=16)
+    assert "at most 16" in mx.accepts(q(17), torch.zeros(4, 64, 1, mx.ROW_BYTES, dtype=torch.uint8))
 
 
 def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, monkeypatch):
-    """The op takes the rows variant for fp8_ds_mla caches on sm90, one query of at most 16
+    """The op takes the rows variant for fp8_ds_mla caches on sm90, one query of at most 32
     heads a sequence in pages of 64 back to back, and only where tuning measured it faster
-    than the others at the bucket; an untuned one's module is not even loaded."""
+    than the others at the bucket; an untuned one's module is not even loaded. A bucket's
+    entry that breaks a bucket constraint at the call's rows (three stages, where the wide
+    kernel of 17-32 heads takes two) is not used there: the template's defaults are."""
     import json
 
     import kvgen.ops._mla_choice as choice
@@ -752,10 +754,18 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick() == "rows"
     assert pick(h_q=8) == "rows"  # the nearest bucket's times
     assert pick(s_q=2, h_q=8) == "wgmma"  # several queries a sequence
-    assert pick(h_q=32) == "wgmma"  # more heads than the MMAs' N
+    assert pick(h_q=32) == "rows"  # the wide kernel, by the nearest bucket's times
+    assert pick(h_q=33) == "wgmma"  # more heads than the MMAs' N
     assert pick(k=torch.empty(32, 16, 1, 656, dtype=torch.uint8)) == "wgmma"  # pages of 16
     spaced = torch.empty(8, 65, 1, 656, dtype=torch.uint8)[:, :64]
     assert pick(k=spaced) == "wgmma"  # pages not back to back
+    three = {**rows.default_meta(16), "num_stages": 3}
+    entries[rows.name]["rows=16"]["meta"] = three
+    (tmp_path / "sm90" / "mla_decode_fp8_ds_mla.json").write_text(json.dumps(doc))
+    configs.reset()
+    assert configs.meta_params(rows, rows=16) == three
+    assert configs.meta_params(rows, rows=32) == rows.default_meta(32)
+    assert rows.default_meta(32)["num_stages"] == 2
     entries[wgmma.name]["rows=16"]["time_us"] = 90.0  # a faster wgmma entry wins
     (tmp_path / "sm90" / "mla_decode_fp8_ds_mla.json").write_text(json.dumps(doc))
     configs.reset()
@@ -765,12 +775,15 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
 
 def test_the_bench_times_unoffered_variants_only_when_asked(monkeypatch):
     """benchmarks/decode_formats.py --unoffered: the bench's callers over an MXFP4 cache on
-    sm90 include the rows kernel kvgen generates but does not offer yet only when asked (the op
-    never takes it), and never a variant that cannot read the format."""
+    sm90 include a rows kernel kvgen generates but does not offer (here: MXFP4's, taken out of
+    ROWS_OFFERED) only when asked (the op never takes it), and never a variant that cannot read
+    the format."""
     from kvgen import runtime
     from kvgen.bench import decode
+    from kvgen.families import mla_decode
 
     monkeypatch.setattr(runtime, "target_of", lambda device: ("sm90", "gpu"))
+    monkeypatch.setattr(mla_decode, "ROWS_OFFERED", ("fp8_ds_mla",))
     cache = torch.zeros(2, 64, 1, 400, dtype=torch.uint8)
     offered = [label for label, _ in decode._callers(torch.device("cpu"), cache, "mxfp4")]
     every = [

@@ -18,8 +18,8 @@ INT4_GROUPS = formats.INT4.groups
 HEAD_SIZES = ((128, 128), (64, 64), (80, 80), (96, 96), (192, 128), (256, 256))
 # portable: Triton, any arch (gqa_decode.py.j2): a KV head's query rows as the MMA's rows, K and
 # V converted to the queries' dtype. rows: a Gluon kernel for sm90 (gqa_decode_rows.py.j2) over
-# int8, fp8 (e4m3; e5m2 generated, not offered) and int4 (scale groups of 32, 64 or 128) caches
-# of 128-channel heads, rows at
+# int8, fp8 (e4m3 and e5m2) and int4 (scale groups of 32, 64 or 128) caches of 128-channel
+# heads, rows at
 # multiples of 4 bytes (vLLM's 132-byte inline rows too), up to 8 queries a sequence (at most 16
 # query rows a KV head): the keys as the MMA's rows; int8 codes multiplied as they are stored (s8
 # MMAs), fp8 keys converted to f16 for S and fp8 values multiplied as stored for PV, int4 codes
@@ -31,9 +31,9 @@ ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
 # what its template generates
 ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name, formats.FP8_E5M2.name, "int4")
 ROWS_INT4_GROUPS = (32, 64, 128)  # the int4 scale groups it reads (a K operand a group)
-# What kvgen lists, verifies and tunes (and so the op can take): the e5m2 form is generated
-# and compiled, not yet run on a GPU
-ROWS_OFFERED = (formats.INT8.name, formats.FP8_E4M3.name, "int4")
+# What kvgen lists, verifies and tunes (and so the op can take, where tuned faster): a form the
+# template generates is offered once its tests and sanitizer sections have passed on a GPU
+ROWS_OFFERED = ROWS_FORMATS
 
 
 def _table_words(values: list[int]) -> tuple[str, ...]:

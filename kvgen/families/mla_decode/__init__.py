@@ -17,9 +17,9 @@ SCHED_BLOCK = 64
 WGMMA_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone (sm100 has tcgen05 instead)
 # portable: Triton, any arch (mla_decode.py.j2). wgmma: a Gluon kernel, 64-row tiles with the work
 # split by roles between warpgroups (mla_decode_wgmma.py.j2; GPU only: Gluon does not run in
-# Triton's interpreter). rows: a Gluon kernel for sm90 over fp8_ds_mla or MXFP4 (group 32)
-# caches, one query of at most 16 heads a sequence, the keys as the MMAs' rows and the heads
-# their N (mla_decode_rows.py.j2, mla_decode_rows_mxfp4.py.j2; GPU only).
+# Triton's interpreter). rows: a Gluon kernel for sm90 over fp8_ds_mla (one query of at most 32
+# heads a sequence) or MXFP4 (group 32; at most 16 heads) caches, the keys as the MMAs' rows and
+# the heads their N (mla_decode_rows.py.j2, mla_decode_rows_mxfp4.py.j2; GPU only).
 VARIANTS = ("portable", "wgmma", "rows")
 TEMPLATES = {
     "portable": "mla_decode.py.j2",
@@ -27,9 +27,9 @@ TEMPLATES = {
     "rows": "mla_decode_rows.py.j2",
 }
 ROWS_FORMATS = ("fp8_ds_mla", "mxfp4")  # the caches the rows templates read
-# What kvgen lists, verifies and tunes (and so the op can take): MXFP4's rows kernel is not
-# offered until its tests have run on a GPU.
-ROWS_OFFERED: tuple[str, ...] = ("fp8_ds_mla",)
+# What kvgen lists, verifies and tunes (and so the op can take, where tuned faster): a form the
+# templates generate is offered once its tests and sanitizer sections have passed on a GPU.
+ROWS_OFFERED: tuple[str, ...] = ROWS_FORMATS
 
 
 def variants_for(kv_format: str) -> tuple[str, ...]:
