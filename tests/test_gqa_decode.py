@@ -528,3 +528,41 @@ def test_bench_problem_in_vllm_inline_rows(kv, group, device):
     v_deq = dequantize_cache(v.cpu(), vs.cpu(), 128)
     ok, rel, detail = compare(out, lse, *gqa_decode(q.cpu(), k_deq, v_deq, table.cpu(), sl.cpu()))
     assert ok, (rel, detail)
+
+
+def test_a_default_tune_leaves_out_the_portable_studies_the_rows_variant_covers():
+    """``kvgen tune`` without names: on sm90 the portable variant of a format the rows variant
+    is offered for is tuned only at the rows the rows variant does not take (32 query rows a
+    KV head), the rows variant at the others, the bf16 cache's portable variant at every
+    bucket; on sm80 (no rows variant) every portable study stays; a named portable variant is
+    tuned at every bucket."""
+    from kvgen.families.gqa_decode import ROWS_MAX_ROWS
+    from kvgen.tune import plan
+
+    def studies(arch, names=None):
+        out = {}
+        for st in plan.plan(names, arch, families={"gqa_decode"}):
+            out.setdefault((st.spec.variant, st.spec.kv), set()).add(st.bucket["rows"])
+        return out
+
+    sm90 = studies("sm90")
+    for kv in ROWS_OFFERED:
+        assert sm90[("portable", kv)] == {32}, kv
+        assert sm90[("rows", kv)] == {4, 8, 16}, kv
+    assert sm90[("portable", "auto")] == {4, 8, 16, 32}
+    assert max(sm90[("rows", "int8")]) == ROWS_MAX_ROWS
+    sm80 = studies("sm80")
+    assert {v for v, _ in sm80} == {"portable"}
+    assert all(rows == {4, 8, 16, 32} for rows in sm80.values())
+    named = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu").name
+    assert studies("sm90", [named]) == {("portable", "int8"): {4, 8, 16, 32}}
+
+
+def test_the_rows_variant_takes_as_many_query_rows_as_the_family_says():
+    """ROWS_MAX_ROWS (what a default tune leaves to the rows variant) is the generated
+    module's MAX_ROWS."""
+    from kvgen.codegen import load
+    from kvgen.families.gqa_decode import ROWS_MAX_ROWS
+
+    mod = load(GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"))
+    assert mod.MAX_ROWS == ROWS_MAX_ROWS

@@ -47,22 +47,31 @@ def test_rings_hold_each_compile_once_at_its_distance_from_the_nearest_start(spe
     assert space.compile_rings(spec, [{"nonsense": 1}], 2) == [[], [], []]
 
 
-def test_the_plan_goes_ring_by_ring_over_every_variant_in_small_chunks():
+def test_the_plan_goes_a_window_of_rings_at_a_time_in_study_order_in_small_chunks():
+    """Rings 0-2 of the first entry, then of the second, then rings 3-4 of the first, then of
+    the second: the first studies' neighbourhoods before the last studies' start points, and
+    every entry's near rings before any entry's far ones."""
     variants = []
     for spec in (MXFP4, KV):
         space = load_space(spec.template)
         b = space.bucket_list()
-        variants.append((spec, space, b[0], [spec.default_meta(**x) for x in b], 2))
-    tasks = precompile.plan(variants, chunk=3)
-    assert [t.ring for t in tasks] == sorted(t.ring for t in tasks)
+        variants.append((spec, space, b[0], [spec.default_meta(**x) for x in b], 4))
+    tasks = precompile.plan(variants, chunk=3, window=3)
     assert all(1 <= len(t.metas) <= 3 for t in tasks)
-    for r in range(3):  # each ring holds both variants' points at that distance
+    entry = {MXFP4.name: 0, KV.name: 1}
+    got = [(t.ring // 3, entry[t.spec.name], t.ring) for t in tasks]
+    assert got == sorted(got)
+    passes = [(w, e) for w, e, _ in dict.fromkeys(got)]
+    assert list(dict.fromkeys(passes)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in range(5):  # each ring holds both variants' points at that distance
         names = {t.spec.name for t in tasks if t.ring == r}
         assert names == {MXFP4.name, KV.name}
         for spec, space, _, seeds, _ in variants:
-            want = space.compile_rings(spec, seeds, 2)[r]
-            got = [m for t in tasks if t.ring == r and t.spec == spec for m in t.metas]
-            assert got == want
+            want = space.compile_rings(spec, seeds, 4)[r]
+            got_r = [m for t in tasks if t.ring == r and t.spec == spec for m in t.metas]
+            assert got_r == want
+    one = precompile.plan(variants, chunk=3, window=1)  # window 1: ring by ring
+    assert [t.ring for t in one] == sorted(t.ring for t in one)
 
 
 def test_a_candidate_two_entries_hold_at_one_bucket_is_compiled_once_in_the_nearer_ring():
@@ -85,7 +94,13 @@ def test_a_candidate_two_entries_hold_at_one_bucket_is_compiled_once_in_the_near
             mine = space.compile_rings(MXFP4, own, 1)
             near = [i for i, ring_own in enumerate(mine) if m in ring_own]
             assert at[(json.dumps(a), json.dumps(m, sort_keys=True))] == min(near + [r])
-    assert [t.ring for t in tasks] == sorted(t.ring for t in tasks)
+    # one window (radius 2): the first entry's rings 0-1 at a, then the second's at b, then
+    # what the third adds at a
+    where = [json.dumps(t.bucket) for t in tasks]
+    first_b = where.index(json.dumps(b))
+    assert set(where[:first_b]) == {json.dumps(a)}
+    assert [t.ring for t in tasks[:first_b]] == sorted(t.ring for t in tasks[:first_b])
+    assert max(t.ring for t in tasks[:first_b]) == 1
     assert {json.dumps(t.bucket) for t in tasks} == {json.dumps(a), json.dumps(b)}
 
 

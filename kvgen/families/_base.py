@@ -81,5 +81,11 @@ class Family(abc.ABC):
         cannot have)."""
         return True
 
+    def tuned_by_default(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
+        """Whether ``kvgen tune`` without names tunes ``spec`` at ``bucket`` (named, every
+        bucket that applies is tuned): e.g. not where the op takes another variant it offers
+        on ``spec``'s arch, which is faster there by design and tuned in the same run."""
+        return True
+
     def __repr__(self) -> str:
         return f"<kvgen family {self.name}>"

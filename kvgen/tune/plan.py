@@ -1,8 +1,9 @@
 """What ``kvgen tune`` tunes: the (variant, search space, bucket) studies of a run.
 
 By default each family's own choice of variants (``Family.default_tuned``: the ones the
-benchmarks measure); named variants or families otherwise. Every bucket of a variant's search
-space that its family says applies, narrowed by the ``--buckets`` / ``--heads`` filters.
+benchmarks measure) at the buckets it tunes by default (``Family.tuned_by_default``); named
+variants or families otherwise, at every bucket. Every bucket of a variant's search space that
+its family says applies, narrowed by the ``--buckets`` / ``--heads`` filters.
 """
 
 from __future__ import annotations
@@ -47,6 +48,6 @@ def plan(
                 continue
             if num_heads and "num_heads" in bucket and bucket["num_heads"] not in num_heads:
                 continue
-            if fam.bucket_applies(spec, bucket):
+            if fam.bucket_applies(spec, bucket) and (names or fam.tuned_by_default(spec, bucket)):
                 out.append(Study(spec, space, bucket))
     return out

@@ -11,6 +11,8 @@ What is compiled ahead is what a local search visits first (``plan``), nearest f
 that a budget cut leaves every study its nearest points: the start points of a variant's
 studies (the template default and the tuned JSON's config of each bucket) and the points
 within ``COMPILE_RADIUS`` steps of them (beside the workers: every ring, until they are done),
+``RING_WINDOW`` rings at a time in the order the studies run (the workers need the first
+studies' neighbourhoods first, not every study's start points),
 once for each class of buckets whose launches Triton specialises alike (``compile_class``), at
 one bucket of the class. A study that walks further compiles the rest in the trial that needs
 it. (Compiling every feasible point instead is 3967
@@ -33,6 +35,9 @@ from typing import Any
 from kvgen.space import bucket_key
 
 COMPILE_RADIUS = 2  # steps around the start points of a class of buckets
+# Rings a pass over the entries takes, in the entries' (the studies') order: the start points
+# and the points one and two steps from them of every entry, then the next three rings, ...
+RING_WINDOW = 3
 CHUNK = 6  # candidates a pool task: few, so that the order across variants holds
 DEFAULT_CHECKER = "kvgen.tune.precompile:cuda_checker"
 DEFAULT_COMPILER = "kvgen.tune.precompile:cuda_compiler"  # (compile_only: no launch, no check)
@@ -49,25 +54,28 @@ class Task:
     ring: int
 
 
-def plan(entries, chunk: int = CHUNK) -> list[Task]:
+def plan(entries, chunk: int = CHUNK, window: int = RING_WINDOW) -> list[Task]:
     """The compile tasks for ``entries``: ``(spec, space, bucket, seeds, radius)`` tuples
     (``bucket`` the one the candidates are checked at, ``seeds`` the start points, ``radius``
-    how many steps around them), ring by ring over every entry, in chunks of ``chunk``
-    candidates; a candidate two entries hold at the same bucket comes once, in the nearer
-    ring."""
-    ringed: dict[tuple, tuple[int, Any, dict, dict]] = {}
-    for spec, space, bucket, seeds, radius in entries:
+    how many steps around them), in the order the studies run (``entries``' order), ``window``
+    rings of an entry at a time: rings 0 to ``window - 1`` of every entry, entry after entry,
+    then the next ``window`` rings of every entry, ...; in chunks of ``chunk`` candidates. A
+    candidate two entries hold at the same bucket comes once, in the nearer ring (of the
+    first of them, where the rings are equal)."""
+    ringed: dict[tuple, tuple[int, int, Any, dict, dict]] = {}
+    for i, (spec, space, bucket, seeds, radius) in enumerate(entries):
         where = json.dumps(bucket, sort_keys=True)
         for r, ring in enumerate(space.compile_rings(spec, seeds, radius)):
             for meta in ring:
                 key = (spec.name, where, json.dumps(meta, sort_keys=True))
                 if key not in ringed or r < ringed[key][0]:
-                    ringed[key] = (r, spec, bucket, meta)
-    groups: dict[tuple, list[dict]] = {}  # (ring, variant, bucket): metas, in entry order
-    for (name, where, _), (r, spec, bucket, meta) in ringed.items():
-        groups.setdefault((r, name, where), []).append((spec, bucket, meta))
+                    ringed[key] = (r, i, spec, bucket, meta)
+    groups: dict[tuple, list[dict]] = {}  # (ring, entry, variant, bucket): metas, in order
+    for (name, where, _), (r, i, spec, bucket, meta) in ringed.items():
+        groups.setdefault((r, i, name, where), []).append((spec, bucket, meta))
     tasks = []
-    for (r, _, _), members in sorted(groups.items(), key=lambda kv: kv[0][0]):
+    order = sorted(groups.items(), key=lambda kv: (kv[0][0] // window, kv[0][1], kv[0][0]))
+    for (r, _, _, _), members in order:
         spec, bucket = members[0][0], members[0][1]
         metas = [m for _, _, m in members]
         for i in range(0, len(metas), chunk):
@@ -255,7 +263,8 @@ def precompile(
         progress(
             f"compiling {total} candidates of {variants} variants at {places} buckets in "
             f"{jobs} processes "
-            f"(start points and up to {max(rings)} steps around them, nearest first)"
+            f"(start points and up to {max(rings)} steps around them, the first studies' "
+            f"nearest first)"
         )
     t0 = time.monotonic()
     outcome: dict[tuple[str, str, str], str] = {}

@@ -31,6 +31,7 @@ ROWS_ARCHS = ("sm90",)  # warpgroup MMA is Hopper's alone
 # what its template generates
 ROWS_FORMATS = (formats.INT8.name, formats.FP8_E4M3.name, formats.FP8_E5M2.name, "int4")
 ROWS_INT4_GROUPS = (32, 64, 128)  # the int4 scale groups it reads (a K operand a group)
+ROWS_MAX_ROWS = 16  # query rows (queries x query heads) a KV head it takes (its MAX_ROWS)
 # What kvgen lists, verifies and tunes (and so the op can take, where tuned faster): a form the
 # template generates is offered once its tests and sanitizer sections have passed on a GPU
 ROWS_OFFERED = ROWS_FORMATS
