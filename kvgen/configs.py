@@ -338,10 +338,10 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
         )
         _debug_once(spec, size, "tuned entry outside the space, template defaults", defaults)
         return defaults
-    # Another bucket's entry may break a bucket constraint at this size (e.g. more pages in
+    # Another bucket's entry may break a call constraint at this size (e.g. more pages in
     # flight than the kernel for these rows takes): such an entry is not used here.
     here = {k: v for k, v in size.items() if k in space.buckets}
-    if broken := space.bucket_violations(spec, meta, here):
+    if broken := space.call_violations(spec, meta, here):
         _debug_once(spec, size, f"[{key}] breaks {broken} here, template defaults", defaults)
         return defaults
     _debug_once(spec, size, f"tuned {path} [{key}]", meta)

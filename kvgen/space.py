@@ -124,6 +124,11 @@ class Space:
     # Bucket sizes the kernels are compiled for (a constexpr comes from them): each value of
     # these compiles binaries of its own ([compile] per_bucket = [...] in the space file).
     per_bucket: tuple[str, ...] = ()
+    # Constraints that name a call's sizes and that the kernel needs to run at all (e.g. the
+    # pages in flight the kernel for that many rows takes): checked as bucket constraints
+    # when a study proposes a point, and by ``kvgen.configs`` when a tuned entry of another
+    # bucket would serve a call ([call_constraints] in the space file).
+    call_constraints: dict[str, str] = field(default_factory=dict)
     # feasible()'s answers, by (spec, bucket): every study asks several times
     _feasible: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -147,11 +152,11 @@ class Space:
         and with ``bucket`` also the bucket constraints (empty: it is worth timing there)."""
         return self._broken(self._names(spec), meta, bucket)
 
-    def bucket_violations(self, spec, meta: dict[str, Any], bucket: dict[str, int]) -> list[str]:
-        """Names of the bucket constraints ``meta`` breaks at ``bucket`` (the sizes of a call,
-        where an entry tuned at another bucket would be used)."""
-        names = {**self._names(spec), **meta, **bucket}
-        return [n for n, expr in self.bucket_constraints.items() if not evaluate(expr, names)]
+    def call_violations(self, spec, meta: dict[str, Any], sizes: dict[str, int]) -> list[str]:
+        """Names of the call constraints ``meta`` breaks at a call of ``sizes`` (where an
+        entry tuned at another bucket would be used)."""
+        names = {**self._names(spec), **meta, **sizes}
+        return [n for n, expr in self.call_constraints.items() if not evaluate(expr, names)]
 
     def _names(self, spec) -> dict[str, Any]:
         """What a constraint may name besides the parameters and the bucket's sizes."""
@@ -163,6 +168,7 @@ class Space:
         if bucket is not None:
             names.update(bucket)
             checks.update(self.bucket_constraints)
+            checks.update(self.call_constraints)
         return [name for name, expr in checks.items() if not evaluate(expr, names)]
 
     def feasible(self, spec, bucket: dict[str, int] | None = None) -> list[dict[str, Any]]:
@@ -248,6 +254,7 @@ def load_space(template: str) -> Space:
         buckets = {k: tuple(int(x) for x in v) for k, v in doc["buckets"].items()}
         constraints = dict(doc.get("constraints", {}))
         bucket_constraints = dict(doc.get("bucket_constraints", {}))
+        call_constraints = dict(doc.get("call_constraints", {}))
         host = tuple(doc.get("host", {}).get("params", ()))
         per_bucket = tuple(doc.get("compile", {}).get("per_bucket", ()))
     except (KeyError, TypeError, AttributeError) as exc:
@@ -258,4 +265,5 @@ def load_space(template: str) -> Space:
         raise SpaceError(f"{path}: [host] names {unknown}, which are not parameters")
     if unknown := [b for b in per_bucket if b not in buckets]:
         raise SpaceError(f"{path}: [compile] per_bucket names {unknown}, which are not buckets")
-    return Space(template, params, buckets, constraints, bucket_constraints, host, per_bucket)
+    return Space(template, params, buckets, constraints, bucket_constraints, host, per_bucket,
+                 call_constraints)  # fmt: skip

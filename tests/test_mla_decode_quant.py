@@ -713,7 +713,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     """The op takes the rows variant for fp8_ds_mla caches on sm90, one query of at most 32
     heads a sequence in pages of 64 back to back, and only where tuning measured it faster
     than the others at the bucket; an untuned one's module is not even loaded. A bucket's
-    entry that breaks a bucket constraint at the call's rows (three stages, where the wide
+    entry that breaks a call constraint at the call's rows (three stages, where the wide
     kernel of 17-32 heads takes two) is not used there: the template's defaults are."""
     import json
 

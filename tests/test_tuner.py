@@ -920,3 +920,25 @@ def test_confirm_retimes_every_config_of_a_small_study(storage, monkeypatch):
     c = tuner.confirm(SPEC, BUCKET, storage, unlucky, top=3, rounds=3)
     assert c.meta == true_best and c.time_us == cost(true_best)
     assert len(calls) == 3 * distinct
+
+
+def test_a_nearest_bucket_s_entry_serves_a_call_unless_it_breaks_a_call_constraint(
+    override, monkeypatch
+):
+    """An entry tuned at 65536 tokens serves a call of 1 token although it breaks a bucket
+    constraint there (those say what is worth timing at a bucket); one that breaks a call
+    constraint at the call's sizes (what the kernel needs to run) gives the defaults."""
+    import dataclasses
+
+    import kvgen.configs as cfg
+
+    _config(override, buckets=(65536,))
+    configs.reset()
+    assert SPACE.violations(SPEC, {"rows_per_program": 8, "num_warps": 2, "num_stages": 1},
+                            {"num_tokens": 1})  # fmt: skip
+    assert configs.meta_params(SPEC, num_tokens=1)["rows_per_program"] == 8
+    strict = dataclasses.replace(SPACE, call_constraints={"fits": "rows_per_program <= num_tokens"})
+    monkeypatch.setattr(cfg, "load_space", lambda template: strict)
+    configs.reset()
+    assert configs.meta_params(SPEC, num_tokens=1) == SPEC.default_meta(num_tokens=1)
+    assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
