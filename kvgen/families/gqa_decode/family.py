@@ -67,7 +67,7 @@ class GQADecode(Family):
         # the rows variant, tuned in the same run (an untuned portable one counts as slower),
         # which measured 1.3-2.2x faster for int8, fp8 e4m3 and int4 on the H200 (1.04-1.24x
         # for e5m2 at its defaults, on an H100), where tuning the portable variant gained 0-2 %
-        # over its defaults at those rows. Its studies' compiles were most of a cold tune's.
+        # over its defaults at those rows.
         return not (
             spec.variant == "portable"
             and spec.kv in ROWS_OFFERED
