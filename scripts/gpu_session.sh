@@ -20,6 +20,16 @@
 #                                  --patience 0); KVGEN_TUNE_JOURNAL and KVGEN_TUNE_OUT: another
 #                                  journal file and tuned_configs folder (default
 #                                  /tmp/kvgen-tuned), so that such a run keeps its own studies.
+#   scripts/gpu_session.sh tune-start [S] the same cold tune (at most S seconds, default 1200) in
+#                                  a process session of its own (setsid), which runs on past
+#                                  this call while the machine is held, so that one run longer
+#                                  than a call is timed whole; this call then waits as tune-wait
+#   scripts/gpu_session.sh tune-wait  waits (at most KVGEN_TUNE_WAIT seconds, default 540) for the
+#                                  tune tune-start began, printing its progress, then brings
+#                                  back its log (with its wall time), JSON tar and journal as
+#                                  tune does; run it as the next call (within the machine's
+#                                  idle release), again until the log says the tune ended.
+#                                  It installs nothing (the running tune imports /tmp/kv)
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
 #                                  in one process (benchmarks/compare_tuned.py)
@@ -66,14 +76,20 @@ if [ "${1:-}" = ab ]; then  # every archive there, before minutes of installs an
   done
 fi
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+bg=/tmp/kvgen-tune-bg  # the detached tune's log, exit status and settings (tune-start)
+if [ "${1:-}" = tune-wait ] && [ -d /tmp/kv ]; then
+  export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}  # (installed by the call that started it)
+  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
+elif compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/kv . \
-  || exit 1
-export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}
+if [ "${1:-}" != tune-wait ] || [ ! -d /tmp/kv ]; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/kv \
+    . || exit 1
+  export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}
+fi
 day=$(date -u +%F)
 rc=0
 case "${1:-tests}" in
@@ -129,6 +145,52 @@ case "${1:-tests}" in
     # the studies come back with the results: put the file in build/tune/ of the next
     # machine's checkout (e.g. a carried folder) to resume there
     cp "$journal" "$out/" 2>/dev/null || true
+    ;;
+  tune-start)
+    journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
+    tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
+    if [ -f "$bg/pid" ] && kill -0 "$(cat "$bg/pid")" 2>/dev/null; then
+      echo "$0 tune-start: a tune is already running (pid $(cat "$bg/pid")); tune-wait" >&2
+      exit 2
+    fi
+    rm -rf "$bg" && mkdir -p "$bg" "$(dirname "$journal")"
+    printf '%s\n' "$journal" >"$bg/journal"
+    printf '%s\n' "$tuned" >"$bg/tuned"
+    # shellcheck disable=SC2016  # expanded by the detached shell
+    KVGEN_BG=$bg KVGEN_BG_JOURNAL=$journal KVGEN_BG_TUNED=$tuned KVGEN_BG_LIMIT=${2:-1200} \
+      setsid bash -c 'start=$(date +%s)
+        # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
+        python3 -P -m kvgen tune --arch sm90 --storage "$KVGEN_BG_JOURNAL" \
+          --out "$KVGEN_BG_TUNED" --timeout "$KVGEN_BG_LIMIT" ${KVGEN_TUNE_ARGS:-} \
+          >>"$KVGEN_BG/tune.log" 2>&1
+        st=$?
+        echo "tune wall time: $(($(date +%s) - start)) s, exit $st" >>"$KVGEN_BG/tune.log"
+        echo "$st" >"$KVGEN_BG/rc"' </dev/null >/dev/null 2>&1 &
+    echo $! >"$bg/pid"
+    echo "started a detached tune (pid $(cat "$bg/pid")), log $bg/tune.log"
+    ;&
+  tune-wait)
+    [ -f "$bg/pid" ] || { echo "$0 tune-wait: no tune was started (tune-start)" >&2; exit 2; }
+    limit=$(($(date +%s) + ${KVGEN_TUNE_WAIT:-540}))
+    seen=0
+    while [ ! -f "$bg/rc" ] && [ "$(date +%s)" -lt "$limit" ]; do
+      sleep 5
+      n=$(wc -l <"$bg/tune.log" 2>/dev/null || echo 0)
+      if [ "$n" -gt "$seen" ]; then
+        sed -n "$((seen + 1)),${n}p" "$bg/tune.log" | grep -E "^(tuning|progress|wrote)" || true
+        seen=$n
+      fi
+    done
+    cp "$bg/tune.log" "$out/tune-$day.log"
+    if [ -f "$bg/rc" ]; then
+      tail -n 1 "$bg/tune.log"
+      [ "$(cat "$bg/rc")" = 0 ] || rc=1
+    else
+      echo "the tune is still running: call $0 tune-wait again (within the machine's idle release)"
+    fi
+    tuned=$(cat "$bg/tuned")
+    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-sm90.tar" sm90
+    cp "$(cat "$bg/journal")" "$out/" 2>/dev/null || true
     ;;
   compare)
     [ -n "${2:-}" ] || { echo "usage: $0 compare B [A]" >&2; exit 2; }
@@ -208,7 +270,8 @@ case "${1:-tests}" in
     "$@" 2>&1 | tee "$out/exec-$day.txt" | tail -n 60 || rc=1
     ;;
   *)
-    echo "usage: $0 tests|fuzz [N]|bench|tune [seconds]|compare B [A]|family F [NAME...]|" \
+    echo "usage: $0 tests|fuzz [N]|bench|tune [seconds]|tune-start [seconds]|tune-wait|" \
+      "compare B [A]|family F [NAME...]|" \
       "ab TAR[,TAR...] [N] -- ARGS...|protos|exec -- COMMAND..." >&2
     exit 2
     ;;
