@@ -62,20 +62,20 @@ class GQADecode(Family):
         ]
 
     def tuned_by_default(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
-        # The portable variant of a format whose rows variant kvgen offers on the arch is not
-        # tuned at the rows the rows variant takes (at most ROWS_MAX_ROWS): there the op takes
-        # the rows variant, tuned in the same run (an untuned portable one counts as slower),
-        # which measured 1.3-2.2x faster for int8, fp8 e4m3 and int4 on the H200 (1.04-1.24x
-        # for e5m2 at its defaults, on an H100), where tuning the portable variant gained 0-2 %
-        # over its defaults at those rows.
-        return not (
-            spec.variant == "portable"
-            and spec.kv in ROWS_OFFERED
-            and (spec.head_size, spec.head_size_v) == (128, 128)
-            and (spec.kv != "int4" or spec.group in ROWS_INT4_GROUPS)
-            and available("rows", spec.arch, spec.target)
-            and bucket.get("rows", ROWS_MAX_ROWS + 1) <= ROWS_MAX_ROWS
-        )
+        # The portable variant is not tuned at the rows the rows variant takes (at most
+        # ROWS_MAX_ROWS) where kvgen offers a rows variant of the same cache and queries on the
+        # arch (``_rows``): there the op takes that one, tuned in the same run (an untuned
+        # portable one counts as slower), which measured 1.3-2.2x faster for int8, fp8 e4m3
+        # and int4 on the H200 (1.04-1.24x for e5m2 at its defaults, on an H100), where
+        # tuning the portable variant gained 0-2 % over its defaults at those rows.
+        if spec.variant != "portable" or bucket.get("rows", ROWS_MAX_ROWS + 1) > ROWS_MAX_ROWS:
+            return True
+
+        def cache(s):
+            return s.head_size, s.head_size_v, s.dtype, s.kv, s.group
+
+        offered = self._rows(spec.arch, spec.target, (spec.dtype,))
+        return cache(spec) not in {cache(r) for r in offered}
 
     def default_tuned(self, arch: str) -> list[VariantSpec]:
         # Llama / Qwen's 128 / 128 with bf16 queries, every format (int4 at 32 channels a
