@@ -77,21 +77,24 @@ if [ "${1:-}" = ab ]; then  # every archive there, before minutes of installs an
 fi
 export PYTHONUNBUFFERED=1
 bg=/tmp/kvgen-tune-bg  # the detached tune's log, exit status and settings (tune-start)
-if [ "${1:-}" = tune-wait ] && [ -d /tmp/kv ]; then
-  export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}  # (installed by the call that started it)
-  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
-elif compgen -G ".whl/*.whl" >/dev/null; then
+# tune-wait installs nothing: the running tune imports what the call that started it installed
+install=1
+[ "${1:-}" = tune-wait ] && [ -d /tmp/kv ] && install=
+if [ -n "$install" ] && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-if [ "${1:-}" != tune-wait ] || [ ! -d /tmp/kv ]; then
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "$install" ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/kv \
     . || exit 1
-  export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}
 fi
+export PYTHONPATH=/tmp/kv${PYTHONPATH:+:$PYTHONPATH}
 day=$(date -u +%F)
 rc=0
+# a cold tune's studies and JSON (tune, tune-start)
+journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
+tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
 case "${1:-tests}" in
   tests)
     python3 -P -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests-$day.log" |
@@ -131,12 +134,10 @@ case "${1:-tests}" in
     python3 -P -m kvgen show sm90 --plot "$out/tuned-sm90.png" >/dev/null || rc=1
     ;;
   tune)
-    journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
     mkdir -p "$(dirname "$journal")"
     start=$(date +%s)
     # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
     # (one JSON a family: more files than a device call brings back)
-    tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
     python3 -P -m kvgen tune --arch sm90 --storage "$journal" --out "$tuned" \
       --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
@@ -147,8 +148,6 @@ case "${1:-tests}" in
     cp "$journal" "$out/" 2>/dev/null || true
     ;;
   tune-start)
-    journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
-    tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
     if [ -f "$bg/pid" ] && kill -0 "$(cat "$bg/pid")" 2>/dev/null; then
       echo "$0 tune-start: a tune is already running (pid $(cat "$bg/pid")); tune-wait" >&2
       exit 2
