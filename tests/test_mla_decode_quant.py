@@ -625,8 +625,9 @@ def test_rows_variant_a_key_with_a_nan_scale_gives_nan_for_its_sequence_only(spe
 
 @pytest.mark.parametrize("spec", _rows_specs(), ids=lambda s: getattr(s, "name", "rows"))
 def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
-    """Several queries a sequence, more than 16 heads, fp16 queries, pages of another size or
-    not back to back: ValueError from the launcher, before any kernel runs."""
+    """Several queries a sequence, more heads than the module's kernels take (32 for
+    fp8_ds_mla, whose wide kernel takes 17-32; 16 for MXFP4), fp16 queries, pages of another
+    size or not back to back: ValueError from the launcher, before any kernel runs."""
     from kvgen.codegen import load
 
     q, cache, table, sl, _ = _rows_case([70, 0, 33], 16, device, spec=spec)
@@ -634,10 +635,12 @@ def test_rows_launcher_refuses_what_its_kernel_cannot_read(spec, device):
     blocks, _, _, width = cache.shape
     d = q.shape[3]
     fmt = "fp8_ds_mla" if width == 656 else "MXFP4"
+    most = mod.MAX_HEADS
+    assert most == (32 if fmt == "fp8_ds_mla" else 16)
     spaced = torch.zeros(blocks, 65, 1, width, dtype=torch.uint8, device=device)[:, :64]
     cases = [
         (q.expand(3, 2, 16, d).contiguous(), cache, "one query"),
-        (torch.cat([q, q], dim=2), cache, "at most 16"),
+        (q[:, :, :1].expand(3, 1, most + 1, d).contiguous(), cache, f"at most {most}"),
         (q.half(), cache, "must be torch.bfloat16"),
         (q, cache.view(blocks * 4, 16, 1, width), "page_block_size 16"),
         (q, spaced, "back to back"),
