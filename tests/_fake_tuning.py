@@ -7,8 +7,11 @@ evaluation brings the log to that many lines kills itself with SIGKILL mid-trial
 KVGEN_FAKE_FAULT_AT (likewise, but the evaluation raises the error a broken CUDA context gives;
 with KVGEN_FAKE_CUDA=1 every evaluation launches a small Triton kernel on the GPU, and that one
 writes 4 TiB past its tensor instead, a real illegal address that breaks the CUDA context),
-KVGEN_FAKE_WORKERS (a count: a worker's first evaluation waits, up to a minute, until that many
-worker processes have reached theirs, so that a test of several workers never sees one worker do
+KVGEN_FAKE_BUILD_ERROR (a bucket's num_tokens: building its inputs raises a Python error, in
+every process), KVGEN_FAKE_BUILD_OOM ("T:N": the first N builds of the inputs of bucket
+num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN_FAKE_WORKERS
+(a count: a worker's first evaluation waits, up to a minute, until that many worker processes
+have reached theirs, so that a test of several workers never sees one worker do
 all the trials while another is still starting).
 """
 
@@ -100,6 +103,20 @@ def evaluator(spec, bucket):
         else:
             os.close(fd)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    if str(bucket.get("num_tokens")) == os.environ.get("KVGEN_FAKE_BUILD_ERROR"):
+        raise ValueError("a bug in the tuning problem")
+    build_oom = os.environ.get("KVGEN_FAKE_BUILD_OOM")
+    if build_oom and log and str(bucket.get("num_tokens")) == build_oom.split(":")[0]:
+        with open(f"{log}.build-oom", "a+") as f:  # builds of this bucket so far, all processes
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            n = sum(1 for _ in f) + 1
+            f.write(f"{os.getpid()}\n")
+        if n <= int(build_oom.split(":")[1]):
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
 
     def evaluate(meta):
         global _started

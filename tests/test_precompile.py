@@ -166,6 +166,42 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert any(v == "ok" for (name, _, _), v in out.items() if name == MXFP4.name)
 
 
+def test_a_pool_process_builds_a_problem_only_where_the_gpu_keeps_its_reserve_free(
+    tmp_path, monkeypatch
+):
+    """A pool process builds a (variant, bucket)'s problem only while POOL_RESERVE of the GPU's
+    memory is free (waiting up to POOL_MEMORY_WAIT_S for it) and drops one whose building took
+    the free share below it: the candidates are then left to the trials ("building the
+    problem: NoRoom"), so that the pool never takes the memory the worker needs."""
+    log = tmp_path / "checks.log"
+    monkeypatch.setenv("KVGEN_FAKE_LOG", str(log))
+    monkeypatch.setattr(precompile, "POOL_MEMORY_WAIT_S", 1.5)  # (polled every 0.5 s)
+    space = load_space(KV.template)
+    bucket = space.bucket_list()[0]
+    metas = (KV.default_meta(**bucket),)
+    task = precompile.Task(KV, bucket, metas, 0)
+    key = json.dumps(metas[0], sort_keys=True)
+    factories = tmp_path / "checks.log.factories"
+
+    def run(shares):
+        free = iter(shares)
+        monkeypatch.setattr(precompile, "_free_share", lambda: next(free))
+        precompile._checks.clear()
+        _, out, _ = precompile._run((task, None, "_fake_tuning:compile_checker", None))
+        return out
+
+    low = run([0.1] * 1000)  # never room: nothing built, after the wait
+    assert low[key].startswith("building the problem: NoRoom: 10% of the GPU's memory free")
+    assert not factories.exists() and not log.exists()
+    taken = run([0.5, 0.1])  # room before, none after building: dropped, not checked
+    assert taken[key].startswith("building the problem: NoRoom: building it left 10%")
+    assert len(factories.read_text().splitlines()) == 1 and not log.exists()
+    assert precompile._checks == {}
+    waited = run([0.1, 0.2, 0.5, 0.4])  # room after a wait: built, checked
+    assert waited == {key: "ok"} and len(log.read_text().splitlines()) == 1
+    precompile._checks.clear()
+
+
 def test_the_trials_count_compiles_and_cache_hits_through_triton_s_listener(monkeypatch):
     """The worker's log says how many kernels a study compiled and how many it found in
     Triton's cache (what compiling ahead saves): counted by Triton's compilation listener,

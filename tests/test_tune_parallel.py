@@ -35,8 +35,10 @@ BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
 
 
-def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault=""):
+def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom=""):
     return {
+        "KVGEN_FAKE_BUILD_OOM": build_oom,
+        "KVGEN_TUNE_OOM_WAIT_S": "0.05",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "KVGEN_FAKE_LOG": str(log),
         "KVGEN_FAKE_SLEEP": str(sleep),
@@ -252,6 +254,32 @@ def test_a_gpu_fault_while_building_a_study_s_inputs_fails_no_trial(tmp_path):
                        t.user_attrs.get("surplus"))  # fmt: skip
 
 
+@pytest.mark.parametrize("ooms", [1, parallel.OOM_RETRIES])
+def test_no_gpu_memory_for_a_study_s_inputs_is_waited_out_and_fails_no_trial(tmp_path, ooms):
+    """CUDA out of memory while a worker builds a study's inputs (the compile pool's processes
+    or another job holding the GPU's memory): the worker frees its cache, waits and tries again
+    (OOM_RETRIES tries); after as many failures it exits for a fresh worker, which builds the
+    inputs and runs the study. No trial is failed for it, and every study runs its budget."""
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 10, log, workers=1,
+                               build_oom=f"65536:{ooms}")  # fmt: skip
+    tries = [line for line in lines if "out of GPU memory building its inputs" in line]
+    assert all(e.returncode == 0 for e in exits), lines
+    if ooms < parallel.OOM_RETRIES:
+        assert [e.deaths for e in exits] == [[]], lines
+        assert len(tries) == ooms and "trying again" in tries[0], lines
+    else:
+        assert [e.deaths for e in exits] == [[parallel.EXIT_MEMORY]], lines
+        assert len(tries) == ooms and "this worker stops" in tries[-1], lines
+        assert any("died (out of GPU memory)" in line and "a fresh worker takes the GPU" in line
+                   for line in lines), lines  # fmt: skip
+    for b in BUCKETS:
+        study = _study(store, b)
+        assert len(tuner.counted(study.trials)) == 10
+        assert not any(tuner.failure(study, t) for t in study.trials if not
+                       t.user_attrs.get("surplus"))  # fmt: skip
+
+
 def test_restarts_are_bounded(tmp_path):
     """With no restarts left, a faulted worker stays dead: its GPU's share of the studies waits
     for a later run."""
@@ -278,6 +306,25 @@ def test_a_tune_on_one_gpu_survives_a_faulting_candidate(tmp_path, two_fake_gpus
     doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
     entry = doc["entries"][SPEC.name]["num_tokens=16"]
     assert entry["trials"] == len(SPACE.points()) and entry["failed_trials"] == 1
+
+
+def test_a_tune_whose_worker_dies_for_good_writes_what_is_done_and_exits_1(
+    tmp_path, two_fake_gpus, monkeypatch
+):
+    """`kvgen tune` whose only worker dies of a Python error (not replaced: it would repeat)
+    while building the second study's inputs: the JSON holds the first study, and the command
+    exits with status 1, saying how many studies are left for the same command to resume."""
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    monkeypatch.setenv("KVGEN_FAKE_BUILD_ERROR", "65536")
+    result = _kvgen(*_tune_args(tmp_path, "16,65536", "1"))
+    assert result.exit_code == 1, result.output
+    assert "died (exit status 1); 0 running trial(s) failed; the others go on" in result.output
+    assert (
+        "tune incomplete: the worker of 1 GPU(s) died (GPU fake0: exit status 1); 1 of 2 "
+        "studies are not done" in " ".join(result.output.split())
+    ), result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / f"{SPEC.family}.json").read_text())
+    assert list(doc["entries"][SPEC.name]) == ["num_tokens=16"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -144,6 +144,8 @@ def tune_cmd(
         )
     except ValueError as exc:
         raise fail(exc) from None
+    except tune_run.Incomplete as exc:
+        raise fail(f"tune incomplete: {exc}", code=1) from None
     except KeyboardInterrupt:
         err.print("\ninterrupted: nothing written; the same command resumes the studies")
         raise typer.Exit(130) from None

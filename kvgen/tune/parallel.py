@@ -11,8 +11,10 @@ exited, the coordinator reads the results back from the storage and writes the J
 A worker that dies (killed, or exiting on a GPU fault) loses only its running trial: the
 coordinator fails that trial and, where the death was a GPU fault or a crash (SIGSEGV, SIGKILL,
 ...), starts a fresh worker on that GPU, which goes on with the studies (a candidate that broke
-the CUDA context is then one failed trial, on one GPU as on several). The other workers are not
-disturbed, and a later run resumes whatever is left.
+the CUDA context is then one failed trial, on one GPU as on several). A worker that finds no GPU
+memory for a study's inputs (other processes on the GPU hold it) waits and tries again, a few
+times, then exits for a fresh worker to try; no trial is failed for it. The other workers are
+not disturbed, and a later run resumes whatever is left.
 
 Several hosts share studies through a database storage (``--storage postgresql://...``): every
 host runs the same ``kvgen tune`` command; heartbeats (``tuner.HEARTBEAT_S``) let any worker
@@ -43,8 +45,15 @@ from typing import Any
 GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
 # Exit status of a worker that stopped because its GPU context is broken.
 EXIT_FAULT = 3
-# Deaths after which a fresh worker takes the GPU: a GPU fault, or a crash signal (an
-# interrupt or a terminate is the user's, and a Python error would only repeat).
+# Exit status of a worker that found no GPU memory for a study's inputs, after waiting
+# (OOM_RETRIES tries, OOM_WAIT_S apart): other processes on its GPU held it (the compile
+# pool's problems, another user's job); a fresh worker tries the study again.
+EXIT_MEMORY = 4
+OOM_RETRIES = 3
+OOM_WAIT_S = float(os.environ.get("KVGEN_TUNE_OOM_WAIT_S", "10"))
+# Deaths after which a fresh worker takes the GPU: a GPU fault, a shortage of GPU memory, or a
+# crash signal (an interrupt or a terminate is the user's, and another Python error would only
+# repeat).
 RESTART_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT,
                    signal.SIGKILL)  # fmt: skip
 MAX_RESTARTS = 8  # fresh workers a GPU at most, in one run
@@ -79,7 +88,7 @@ class WorkerExit:
 
 
 def _restartable(returncode: int) -> bool:
-    return returncode == EXIT_FAULT or -returncode in RESTART_SIGNALS
+    return returncode in (EXIT_FAULT, EXIT_MEMORY) or -returncode in RESTART_SIGNALS
 
 
 def visible_devices() -> list[str]:
@@ -162,6 +171,8 @@ def run_workers(
                         why = (
                             "a GPU fault"
                             if p.returncode == EXIT_FAULT
+                            else "out of GPU memory"
+                            if p.returncode == EXIT_MEMORY
                             else f"signal {-p.returncode}"
                             if p.returncode < 0
                             else f"exit status {p.returncode}"
@@ -289,14 +300,27 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
             tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
-        try:
-            raw = factory(spec, bucket)
-            _wait_for_gpu()  # a fault of the kernels that built the inputs shows here, blamed
-        except Exception as exc:  # on no trial
-            if not _sticky(exc):
-                raise
-            log(f"{label}: GPU fault while building its inputs, this worker stops: {_fault(exc)}")
-            return EXIT_FAULT
+        for attempt in range(1, OOM_RETRIES + 1):
+            try:
+                raw = factory(spec, bucket)
+                _wait_for_gpu()  # a fault of the kernels that built the inputs shows here,
+                break  # blamed on no trial
+            except Exception as exc:
+                if _out_of_memory(exc):
+                    _release_memory()
+                    if attempt < OOM_RETRIES:
+                        log(f"{label}: out of GPU memory building its inputs (try {attempt} of "
+                            f"{OOM_RETRIES}); trying again in {OOM_WAIT_S:g} s")  # fmt: skip
+                        time.sleep(OOM_WAIT_S)
+                        continue
+                    log(f"{label}: out of GPU memory building its inputs, {OOM_RETRIES} tries; "
+                        "this worker stops")  # fmt: skip
+                    return EXIT_MEMORY
+                if not _sticky(exc):
+                    raise
+                log(f"{label}: GPU fault while building its inputs, this worker stops: "
+                    f"{_fault(exc)}")  # fmt: skip
+                return EXIT_FAULT
         evaluate = _guarded(raw)
         setup = time.monotonic() - t0
         ran = []
@@ -408,6 +432,11 @@ def _guarded(evaluate):
 def _sticky(exc: Exception) -> bool:
     """Whether ``exc`` is a CUDA error after which this process's context is unusable."""
     return any(s in str(exc) for s in _STICKY)
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """Whether ``exc`` is torch's CUDA out-of-memory error (which leaves the context usable)."""
+    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
 def _fault(exc: Exception):

@@ -151,13 +151,58 @@ def compile_only() -> None:
 
 _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's check
 
+# The share of the GPU's memory the pool's processes leave free for the workers: a process
+# builds a problem (its inputs on the GPU: up to ~7.5 GiB for an MLA decode's) only while at
+# least this share is free, waiting up to POOL_MEMORY_WAIT_S for it, and drops what it built
+# if that took the free share below it; the candidates it leaves compile in their trials.
+# (Fifteen processes holding decode problems took all of an 80 GB GPU, and the worker beside
+# them died building its study's inputs.)
+POOL_RESERVE = 0.25
+POOL_MEMORY_WAIT_S = 30.0
+
+
+class NoRoom(RuntimeError):
+    """The GPU's free memory is below the pool's reserve: the problem is not built here."""
+
+
+def _free_share() -> float | None:
+    """The share of this process's GPU's memory that is free (None: no GPU in use here)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return free / total
+
+
+def _wait_for_room(reserve: float, wait_s: float, poll_s: float = 0.5) -> None:
+    """Return once at least ``reserve`` of the GPU's memory is free (at once without a GPU);
+    ``NoRoom`` after ``wait_s`` seconds without it."""
+    deadline = time.monotonic() + wait_s
+    while (share := _free_share()) is not None and share < reserve:
+        if time.monotonic() >= deadline:
+            raise NoRoom(f"{share:.0%} of the GPU's memory free, under the pool's {reserve:.0%}")
+        time.sleep(poll_s)
+
+
+def _drop_checks() -> None:
+    """Forget the process's problem and give its GPU memory back."""
+    _checks.clear()
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
 
 def _one_thread(no_launch: bool = False) -> None:
     """Many compile processes at once: one CPU thread each for torch (the reference checks),
-    or their thread pools oversubscribe the cores and everything crawls; with ``no_launch``
+    or their thread pools oversubscribe the cores and everything crawls; kvgen's warnings
+    off (the trials' problems give the same in the worker); with ``no_launch``
     (beside the workers), Triton launches compile only (``compile_only``), and the process
     runs at a lower CPU priority than the workers (niceness 10), whose host work (inputs, the
     reference, launches) a trial waits on."""
+    import logging
     import os
 
     import torch
@@ -166,6 +211,9 @@ def _one_thread(no_launch: bool = False) -> None:
 
     torch.set_num_threads(1)
     drop_ptx_dumps()
+    # (a problem's inputs are made with kvgen's ops, e.g. an fp16 store that no default
+    # study tunes: its "no tuned config" warning, once in each of 15 processes, is not news)
+    logging.getLogger("kvgen").setLevel(logging.ERROR)
     if no_launch:
         compile_only()
         os.nice(10)
@@ -173,20 +221,19 @@ def _one_thread(no_launch: bool = False) -> None:
 
 def _check_for(task: Task, checker: str) -> Callable:
     """The check of ``task``'s (variant, bucket), kept until a task of another one comes (one
-    problem's inputs a process: a decode's are gigabytes, and 15 processes share the GPU)."""
+    problem's inputs a process: a decode's are gigabytes, and 15 processes share the GPU),
+    built only where the GPU keeps ``POOL_RESERVE`` of its memory free (``NoRoom`` if not)."""
     key = (task.spec.name, json.dumps(task.bucket, sort_keys=True))
     if key not in _checks:
         if _checks:
-            _checks.clear()
-            import gc
-
-            import torch
-
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            _drop_checks()
+        _wait_for_room(POOL_RESERVE, POOL_MEMORY_WAIT_S)
         module, _, attr = checker.partition(":")
         _checks[key] = getattr(importlib.import_module(module), attr)(task.spec, task.bucket)
+        if (share := _free_share()) is not None and share < POOL_RESERVE:
+            _drop_checks()
+            raise NoRoom(f"building it left {share:.0%} of the GPU's memory free, under the "
+                         f"pool's {POOL_RESERVE:.0%}")  # fmt: skip
     return _checks[key]
 
 

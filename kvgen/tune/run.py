@@ -22,6 +22,11 @@ from kvgen.tune import MIN_GAIN, PATIENCE, SAMPLER, parallel, tuner
 from kvgen.tune.plan import Study
 
 
+class Incomplete(RuntimeError):
+    """The workers of a GPU died and were not replaced (a Python error, restarts spent): the
+    JSON written holds the studies finished; the same command resumes the others."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     arch: str
@@ -97,7 +102,8 @@ def run(
 ) -> list[Path]:
     """Tune ``studies`` on ``devices`` (CUDA_VISIBLE_DEVICES entries); returns the JSON files
     written. KeyboardInterrupt propagates once the workers have stopped (nothing is written;
-    the studies resume)."""
+    the studies resume); ``Incomplete`` after the JSON is written, where a GPU's worker died
+    for good."""
     from kvgen._resources import tuned_configs_dir
 
     storage_path = opts.storage or str(default_storage(opts.arch))
@@ -190,6 +196,20 @@ def run(
         )
         log(f"wrote {path}")
         written.append(path)
+    if dead:
+        from kvgen.space import load_space
+
+        left = sum(
+            not tuner.study_done(st.spec, st.bucket, store, tuner.budget(
+                load_space(st.spec.template), opts.sampler, opts.trials, st.spec, st.bucket
+            ), stop)
+            for st in studies
+        )  # fmt: skip
+        raise Incomplete(
+            f"the worker of {len(dead)} GPU(s) died ("
+            + ", ".join(f"GPU {e.device}: exit status {e.returncode}" for e in dead)
+            + f"); {left} of {len(studies)} studies are not done: the same command resumes them"
+        )
     return written
 
 
