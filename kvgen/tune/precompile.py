@@ -155,8 +155,7 @@ _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's chec
 # builds a problem (its inputs on the GPU: up to ~7.5 GiB for an MLA decode's) only while at
 # least this share is free, waiting up to POOL_MEMORY_WAIT_S for it, and drops what it built
 # if that took the free share below it; the candidates it leaves compile in their trials.
-# (Fifteen processes holding decode problems took all of an 80 GB GPU, and the worker beside
-# them died building its study's inputs.)
+# (Fifteen processes holding decode problems need more than an 80 GB GPU has.)
 POOL_RESERVE = 0.25
 POOL_MEMORY_WAIT_S = 30.0
 
@@ -338,7 +337,10 @@ def precompile(
                 progress(
                     f"  {where}: {per_ring[ring]} compiled, {time.monotonic() - t0:.1f} s so far"
                 )
-    bad = sum(v != "ok" for v in outcome.values())
+    no_room = sum(
+        v.startswith(f"building the problem: {NoRoom.__name__}") for v in outcome.values()
+    )
+    bad = sum(v != "ok" for v in outcome.values()) - no_room
     if progress:
         skipped = total - len(outcome) - passed
         if cancel is not None:
@@ -346,9 +348,11 @@ def precompile(
         else:
             why = f"; {skipped} left to the trials: the budget's half was spent"
         after = f"; {passed} skipped: their variant's studies were done" if passed else ""
+        if no_room:
+            after += f"; {no_room} left to the trials: no GPU memory to spare (POOL_RESERVE)"
         progress(
-            f"  compiled {len(outcome)} ({bad} failed or wrong{why if skipped else ''}{after}) "
-            f"in {time.monotonic() - t0:.1f} s"
+            f"  compiled {len(outcome) - no_room} ({bad} failed or wrong"
+            f"{why if skipped else ''}{after}) in {time.monotonic() - t0:.1f} s"
         )
         slowest = sorted(busy.items(), key=lambda kv: -kv[1][0])[:5]
         progress(
