@@ -23,7 +23,9 @@
 #   scripts/gpu_session.sh tune-start [S] the same cold tune (at most S seconds, default 1200) in
 #                                  a process session of its own (setsid), which runs on past
 #                                  this call while the machine is held, so that one run longer
-#                                  than a call is timed whole; this call then waits as tune-wait
+#                                  than a call is timed whole; this call then waits as tune-wait.
+#                                  Cold: Triton's cache, the journal and the output folder are
+#                                  emptied first (KVGEN_TUNE_WARM=1 keeps them: a resumed run)
 #   scripts/gpu_session.sh tune-wait  waits (at most KVGEN_TUNE_WAIT seconds, default 540) for the
 #                                  tune tune-start began, printing its progress, then brings
 #                                  back its log (with its wall time), JSON tar and journal as
@@ -153,6 +155,11 @@ case "${1:-tests}" in
       exit 2
     fi
     rm -rf "$bg" && mkdir -p "$bg" "$(dirname "$journal")"
+    if [ "${KVGEN_TUNE_WARM:-0}" != 1 ]; then  # cold: no compiled kernel, study or JSON yet
+      cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+      echo "cold: emptying $cache, $journal and $tuned"
+      rm -rf "$cache" "$journal" "$tuned"
+    fi
     printf '%s\n' "$journal" >"$bg/journal"
     printf '%s\n' "$tuned" >"$bg/tuned"
     # shellcheck disable=SC2016  # expanded by the detached shell
