@@ -3,6 +3,7 @@ neighbourhood, nearest first across variants, in one pool of processes; with a f
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -156,6 +157,9 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert {c.split()[1].split("#")[0] for c in log.read_text().splitlines()} == {MXFP4.name}
     skipped = sum(len(t.metas) for t in tasks if t.spec == KV)
     assert f"{skipped} skipped: their variant's studies were done" in lines[-2]
+    per_ring = [re.search(r"(\d+) skipped \(their variant's studies were done\)", x)
+                for x in lines if "from them" in x or "start points" in x]  # fmt: skip
+    assert sum(int(m.group(1)) for m in per_ring if m) == skipped  # each ring's line says its own
     assert "left to the trials" not in lines[-2]
 
     monkeypatch.setenv("KVGEN_FAKE_NO_PROBLEM", KV.name)  # a problem that cannot be built

@@ -315,6 +315,7 @@ def precompile(
     t0 = time.monotonic()
     outcome: dict[tuple[str, str, str], str] = {}
     per_ring = dict.fromkeys(rings, 0)
+    skipped_ring = dict.fromkeys(rings, 0)  # candidates of variants whose studies were done
     busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
     passed = 0  # candidates skipped: their variant's studies were done
     ctx = multiprocessing.get_context("spawn")
@@ -324,6 +325,7 @@ def precompile(
         for task, (ring, part, seconds) in zip(tasks, done, strict=False):
             if part is None:
                 passed += len(task.metas)
+                skipped_ring[ring] += len(task.metas)
                 part = {}
             where = bucket_key(task.bucket)
             outcome.update({(task.spec.name, where, k): v for k, v in part.items()})
@@ -334,8 +336,11 @@ def precompile(
             left[ring] -= 1
             if progress and left[ring] == 0:
                 where = "start points" if ring == 0 else f"{ring} step(s) from them"
+                gone = skipped_ring[ring]
                 progress(
-                    f"  {where}: {per_ring[ring]} compiled, {time.monotonic() - t0:.1f} s so far"
+                    f"  {where}: {per_ring[ring]} compiled"
+                    + (f", {gone} skipped (their variant's studies were done)" if gone else "")
+                    + f", {time.monotonic() - t0:.1f} s so far"
                 )
     no_room = sum(
         v.startswith(f"building the problem: {NoRoom.__name__}") for v in outcome.values()
