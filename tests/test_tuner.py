@@ -787,7 +787,7 @@ def test_incumbent_is_the_second_trial(override, storage):
     assert tuner.incumbent(SPEC, {"num_tokens": 4096}) is None
 
 
-def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
+def test_confirm_retimes_the_best_and_drops_a_lucky_trial(override, storage, tmp_path):
     """One config timed in a lucky moment (2 % under the best) wins the study; re-timing the
     configs within CONFIRM_MARGIN of it in alternated rounds gives the win back to the truly
     fastest config. Configs further from the best are not re-timed: noise cannot reorder
@@ -822,7 +822,53 @@ def test_confirm_retimes_the_best_and_drops_a_lucky_trial(storage, tmp_path):
     assert entry["confirm_rounds"] == 3 and entry["meta"] == true_best
 
 
-def test_confirm_retimes_with_the_evaluators_confirm_where_it_has_one(storage):
+def test_confirm_retimes_the_incumbent_near_the_best_so_noise_cannot_replace_it(override, storage):
+    """The tuned JSON's config for the bucket (the incumbent), whose one trial read 15 % slow,
+    is neither among the best three nor within CONFIRM_MARGIN of the best trial; it is re-timed
+    beside them all the same (within INCUMBENT_MARGIN), and wins: a re-tune keeps it unless
+    another config beats it in the same alternated rounds. Read 30 % slow, it is not re-timed
+    (further than noise takes a reading)."""
+    true_best = min(SPACE.feasible(SPEC), key=fake_time)
+    lucky = sorted(SPACE.feasible(SPEC), key=fake_time)[1:4]  # three configs that read best once
+    incumbent = true_best
+    _config(override, meta=incumbent, buckets=(65536,))
+    configs.reset()
+    assert tuner.incumbent(SPEC, BUCKET) == incumbent
+
+    def make(slow):
+        seen = []
+
+        def noisy(meta):
+            seen.append(dict(meta))
+            first = seen.count(meta) == 1
+            if meta in lucky and first:  # read under the best, once
+                return fake_time(true_best) * (0.95 + 0.01 * lucky.index(meta))
+            if meta == incumbent and first:
+                return fake_time(meta) * slow
+            return fake_time(meta)
+
+        return noisy, seen
+
+    noisy, seen = make(1.15)
+    tuner.run_study(SPEC, BUCKET, SPACE, noisy, storage=storage, sampler="grid", n_trials=1000)
+    best_read = fake_time(true_best) * 0.95
+    assert fake_time(incumbent) * 1.15 > best_read * (1 + tuner.CONFIRM_MARGIN)
+    assert fake_time(incumbent) * 1.15 <= best_read * (1 + tuner.INCUMBENT_MARGIN)
+    seen.clear()
+    c = tuner.confirm(SPEC, BUCKET, storage, noisy, top=3, rounds=3)
+    assert c.meta == incumbent and c.time_us == fake_time(incumbent)
+    assert seen.count(incumbent) == 3 and all(seen.count(m) == 3 for m in lucky)
+
+    noisy, seen = make(1.30)
+    study_storage = tuner.storage_from(str(override / "slow.journal"), override / "unused")
+    tuner.run_study(SPEC, BUCKET, SPACE, noisy, storage=study_storage, sampler="grid",
+                    n_trials=1000)  # fmt: skip
+    seen.clear()
+    c = tuner.confirm(SPEC, BUCKET, study_storage, noisy, top=3, rounds=3)
+    assert incumbent not in seen and c.meta in lucky
+
+
+def test_confirm_retimes_with_the_evaluators_confirm_where_it_has_one(override, storage):
     """The GPU evaluator times its trials with a short settle and its re-timings with the
     bench's full one (``evaluate.confirm``): ``confirm`` uses the latter."""
     lucky = {"rows_per_program": 8, "num_warps": 4, "num_stages": 1}
@@ -844,14 +890,14 @@ def test_confirm_retimes_with_the_evaluators_confirm_where_it_has_one(storage):
     assert calls == ["confirm"] * 6 and c.meta == true_best
 
 
-def test_confirm_times_nothing_where_no_config_is_near_the_best(storage):
+def test_confirm_times_nothing_where_no_config_is_near_the_best(override, storage):
     """A best trial with no other config within CONFIRM_MARGIN stands as timed."""
     tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid", n_trials=1000)
     c = tuner.confirm(SPEC, BUCKET, storage, lambda m: pytest.fail("timed"), top=3, rounds=3)
     assert c.meta == min(SPACE.feasible(SPEC), key=fake_time) and c.confirm_rounds == 0
 
 
-def test_confirm_drops_a_candidate_that_fails_now(storage):
+def test_confirm_drops_a_candidate_that_fails_now(override, storage):
     near = {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
 
     def cost(meta):  # fake_time, with one more config 2 % behind the best
@@ -888,7 +934,7 @@ def test_confirm_drops_a_candidate_that_fails_now(storage):
     assert tuner.confirm(SPEC, {"num_tokens": 16}, storage, fake_time) is None  # no study
 
 
-def test_confirm_retimes_every_config_of_a_small_study(storage, monkeypatch):
+def test_confirm_retimes_every_config_of_a_small_study(override, storage, monkeypatch):
     """In a small study (few feasible points) every config is re-timed, so the best config
     wins even when its own single trial was unlucky."""
     default = SPEC.default_meta(**BUCKET)

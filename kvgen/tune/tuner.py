@@ -702,13 +702,25 @@ CONFIRM_ALL = 8  # studies of this many distinct configs or fewer: re-time every
 # a single timing of a microsecond kernel can read up to ~10 % fast after heavy work
 # (docs/performance.md), so configs further apart than that keep their order.
 CONFIRM_MARGIN = 0.10
+# The config the tuned JSON holds for the bucket (the incumbent, queued as the study's second
+# trial) won alternated re-timings when it was tuned: it is re-timed beside the best wherever
+# its trial read within this much of the best, so that one unlucky reading (or one lucky
+# reading of another config) does not replace it with a slower config.
+INCUMBENT_MARGIN = 0.25
 
 
-def confirm_candidates(study: optuna.Study, default: dict[str, Any], top: int) -> list[dict]:
+def confirm_candidates(
+    study: optuna.Study,
+    default: dict[str, Any],
+    top: int,
+    incumbent: dict[str, Any] | None = None,
+) -> list[dict]:
     """The configs ``confirm`` re-times, best trial first: every distinct config of a study of
     at most ``CONFIRM_ALL`` (a small bucket's few feasible points: one unlucky trial must not
     hide the best), else the ``top`` best within ``CONFIRM_MARGIN`` of the best trial's time,
-    and the default where it was timed within that margin. Fewer than two: nothing to re-time."""
+    the default where it was timed within that margin, and the ``incumbent`` (the tuned JSON's
+    config for the bucket) where it was timed within ``INCUMBENT_MARGIN``. Fewer than two:
+    nothing to re-time."""
     complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     configs: list[dict[str, Any]] = []
     values: list[float] = []
@@ -723,6 +735,9 @@ def confirm_candidates(study: optuna.Study, default: dict[str, Any], top: int) -
     out = near[:top]
     if default not in out and default in near:
         out.append(dict(default))
+    if incumbent is not None and incumbent not in out and incumbent in configs:
+        if values[configs.index(incumbent)] <= values[0] * (1 + INCUMBENT_MARGIN):
+            out.append(dict(incumbent))
     return out
 
 
@@ -754,7 +769,11 @@ def confirm(
         return None
     default = spec.default_meta(**bucket)
     result = summarize(spec, bucket, study, default, stop)
-    candidates = confirm_candidates(study, default, top) if top > 0 and rounds > 0 else []
+    candidates = (
+        confirm_candidates(study, default, top, incumbent(spec, bucket))
+        if top > 0 and rounds > 0
+        else []
+    )
     if result.meta is None or len(candidates) < 2:
         final = result
     else:
