@@ -99,7 +99,10 @@ journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
 tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
 case "${1:-tests}" in
   tests)
-    python3 -P -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$out/gpu-tests-$day.log" |
+    # -v: each test's outcome as it ends, so that a call cut short still names its failures;
+    # --durations: where the suite's time goes
+    python3 -P -m pytest -v -n 8 -p no:cacheprovider --durations=25 tests 2>&1 |
+      tee "$out/gpu-tests-$day.log" | grep -v " PASSED \| SKIPPED " |
       tail -n 25 || rc=1
     PYTHON=python3 scripts/gpu_check.sh "$out/gpu-check-$day.txt" || rc=1
     ;;
@@ -209,9 +212,10 @@ case "${1:-tests}" in
     shift 2
     if [ "${KVGEN_TEST_FILES-unset}" != "" ]; then  # (set and empty: no tests)
       # shellcheck disable=SC2086  # lists of files and options
-      python3 -P -m pytest -q -n 8 -p no:cacheprovider ${KVGEN_TEST_FILES:-tests/test_$fam.py} \
+      python3 -P -m pytest -v -n 8 -p no:cacheprovider --durations=15 \
+        ${KVGEN_TEST_FILES:-tests/test_$fam.py} \
         ${KVGEN_TEST_ARGS:-} 2>&1 |
-        tee "$out/gpu-tests-$fam-$day.log" | tail -n 8 || rc=1
+        tee "$out/gpu-tests-$fam-$day.log" | grep -v " PASSED \| SKIPPED " | tail -n 25 || rc=1
     fi
     tuned=/tmp/kvgen-tuned-$fam
     rm -rf "$tuned" && cp -r tuned_configs "$tuned"
