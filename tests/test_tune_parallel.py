@@ -280,6 +280,13 @@ def test_no_gpu_memory_for_a_study_s_inputs_is_waited_out_and_fails_no_trial(tmp
                        t.user_attrs.get("surplus"))  # fmt: skip
 
 
+def test_a_worker_s_exit_status_names_what_it_died_of():
+    """The coordinator's lines and `kvgen tune`'s final error name a dead worker's cause."""
+    assert parallel.death(parallel.EXIT_FAULT) == "a GPU fault"
+    assert parallel.death(parallel.EXIT_MEMORY) == "out of GPU memory"
+    assert parallel.death(-9) == "signal 9" and parallel.death(1) == "exit status 1"
+
+
 def test_restarts_are_bounded(tmp_path):
     """With no restarts left, a faulted worker stays dead: its GPU's share of the studies waits
     for a later run."""

@@ -87,6 +87,15 @@ class WorkerExit:
     deaths: list[int] = dataclasses.field(default_factory=list)  # replaced workers' statuses
 
 
+def death(returncode: int) -> str:
+    """What a worker's exit status says it died of."""
+    if returncode == EXIT_FAULT:
+        return "a GPU fault"
+    if returncode == EXIT_MEMORY:
+        return "out of GPU memory"
+    return f"signal {-returncode}" if returncode < 0 else f"exit status {returncode}"
+
+
 def _restartable(returncode: int) -> bool:
     return returncode in (EXIT_FAULT, EXIT_MEMORY) or -returncode in RESTART_SIGNALS
 
@@ -168,15 +177,7 @@ def run_workers(
                     if p.returncode != 0:
                         n = _fail_trials_of(plan, storage, worker_id(p.pid))
                         failed[dev] += n
-                        why = (
-                            "a GPU fault"
-                            if p.returncode == EXIT_FAULT
-                            else "out of GPU memory"
-                            if p.returncode == EXIT_MEMORY
-                            else f"signal {-p.returncode}"
-                            if p.returncode < 0
-                            else f"exit status {p.returncode}"
-                        )
+                        why = death(p.returncode)
                         again = (
                             _restartable(p.returncode)
                             and len(deaths[dev]) < max_restarts

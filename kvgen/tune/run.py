@@ -207,7 +207,7 @@ def run(
         )  # fmt: skip
         raise Incomplete(
             f"the worker of {len(dead)} GPU(s) died ("
-            + ", ".join(f"GPU {e.device}: exit status {e.returncode}" for e in dead)
+            + ", ".join(f"GPU {e.device}: {parallel.death(e.returncode)}" for e in dead)
             + f"); {left} of {len(studies)} studies are not done: the same command resumes them"
         )
     return written
