@@ -280,6 +280,24 @@ def test_no_gpu_memory_for_a_study_s_inputs_is_waited_out_and_fails_no_trial(tmp
                        t.user_attrs.get("surplus"))  # fmt: skip
 
 
+def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):
+    """Out of GPU memory for a study's inputs in every try (another process holds the memory):
+    MAX_MEMORY_RESTARTS fresh workers try, then the GPU's worker stays dead and the rest of
+    its studies wait for a later run, instead of MAX_RESTARTS rounds of waiting."""
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "tpe", 10, log, workers=1,
+                               build_oom="65536:1000")  # fmt: skip
+    assert parallel.MAX_MEMORY_RESTARTS < parallel.MAX_RESTARTS
+    assert exits[0].returncode == parallel.EXIT_MEMORY, lines
+    assert exits[0].deaths == [parallel.EXIT_MEMORY] * parallel.MAX_MEMORY_RESTARTS, lines
+    tries = [line for line in lines if "out of GPU memory building its inputs" in line]
+    assert len(tries) == parallel.OOM_RETRIES * (parallel.MAX_MEMORY_RESTARTS + 1), lines
+    assert any("died (out of GPU memory)" in line and "the others go on" in line
+               for line in lines), lines  # fmt: skip
+    assert len(tuner.counted(_study(store, BUCKETS[0]).trials)) == 10  # the first study ran
+    assert tuner.finished(_study(store, BUCKETS[1]).trials) == []  # its inputs never built
+
+
 def test_a_worker_s_exit_status_names_what_it_died_of():
     """The coordinator's lines and `kvgen tune`'s final error name a dead worker's cause."""
     assert parallel.death(parallel.EXIT_FAULT) == "a GPU fault"

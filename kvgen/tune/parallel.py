@@ -57,6 +57,9 @@ OOM_WAIT_S = float(os.environ.get("KVGEN_TUNE_OOM_WAIT_S", "10"))
 RESTART_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT,
                    signal.SIGKILL)  # fmt: skip
 MAX_RESTARTS = 8  # fresh workers a GPU at most, in one run
+# of which at most this many after a shortage of GPU memory: memory that other processes hold
+# (an inference engine's reservation, say) is not freed by trying again
+MAX_MEMORY_RESTARTS = 2
 
 
 @dataclasses.dataclass
@@ -181,6 +184,10 @@ def run_workers(
                         again = (
                             _restartable(p.returncode)
                             and len(deaths[dev]) < max_restarts
+                            and (
+                                p.returncode != EXIT_MEMORY
+                                or deaths[dev].count(EXIT_MEMORY) < MAX_MEMORY_RESTARTS
+                            )
                             and (plan.deadline is None or time.time() < plan.deadline)
                         )
                         log(
