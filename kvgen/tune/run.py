@@ -196,6 +196,7 @@ def run(
         )
         log(f"wrote {path}")
         written.append(path)
+    left = 0  # studies not done, where a GPU's worker died for good
     if dead:
         from kvgen.space import load_space
 
@@ -205,6 +206,7 @@ def run(
             ), stop)
             for st in studies
         )  # fmt: skip
+    if left:  # (a worker that died past the last study left nothing undone)
         raise Incomplete(
             f"the worker of {len(dead)} GPU(s) died ("
             + ", ".join(f"GPU {e.device}: {parallel.death(e.returncode)}" for e in dead)
