@@ -34,7 +34,8 @@
 #                                  It installs nothing (the running tune imports /tmp/kv)
 #   scripts/gpu_session.sh compare B [A] the configs of tuned_configs folder B timed against A's
 #                                  (default: this checkout's tuned_configs), bucket by bucket,
-#                                  in one process (benchmarks/compare_tuned.py)
+#                                  in one process (benchmarks/compare_tuned.py; its options,
+#                                  e.g. --rounds 5, in KVGEN_COMPARE_ARGS)
 #   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
 #                                  in one call: its tests (tests/test_F.py, or the files of
 #                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the
@@ -203,7 +204,8 @@ case "${1:-tests}" in
     ;;
   compare)
     [ -n "${2:-}" ] || { echo "usage: $0 compare B [A]" >&2; exit 2; }
-    python3 -P benchmarks/compare_tuned.py "${3:-tuned_configs}" "$2" \
+    # shellcheck disable=SC2086  # KVGEN_COMPARE_ARGS is a list of options (--rounds 5, ...)
+    python3 -P benchmarks/compare_tuned.py "${3:-tuned_configs}" "$2" ${KVGEN_COMPARE_ARGS:-} \
       --json "$out/compare-tuned-$day.json" 2>&1 | tee "$out/compare-tuned-$day.txt" |
       tail -n 40 || rc=1
     ;;
