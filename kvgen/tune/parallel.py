@@ -309,7 +309,6 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
         for attempt in range(1, OOM_RETRIES + 1):
-            short = False
             try:
                 raw = factory(spec, bucket)
                 _wait_for_gpu()  # a fault of the kernels that built the inputs shows here,
@@ -321,16 +320,16 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
                     log(f"{label}: GPU fault while building its inputs, this worker stops: "
                         f"{_fault(exc)}")  # fmt: skip
                     return EXIT_FAULT
-                short = True
-            if short:  # (here, the exception and the tensors its frames held are gone)
-                _release_memory()
-                if attempt == OOM_RETRIES:
-                    log(f"{label}: out of GPU memory building its inputs, {OOM_RETRIES} tries; "
-                        "this worker stops")  # fmt: skip
-                    return EXIT_MEMORY
-                log(f"{label}: out of GPU memory building its inputs (try {attempt} of "
-                    f"{OOM_RETRIES}); trying again in {OOM_WAIT_S:g} s")  # fmt: skip
-                time.sleep(OOM_WAIT_S)
+            # out of memory (here, past the except block, the exception and the tensors its
+            # frames held are gone)
+            _release_memory()
+            if attempt == OOM_RETRIES:
+                log(f"{label}: out of GPU memory building its inputs, {OOM_RETRIES} tries; "
+                    "this worker stops")  # fmt: skip
+                return EXIT_MEMORY
+            log(f"{label}: out of GPU memory building its inputs (try {attempt} of "
+                f"{OOM_RETRIES}); trying again in {OOM_WAIT_S:g} s")  # fmt: skip
+            time.sleep(OOM_WAIT_S)
         evaluate = _guarded(raw)
         setup = time.monotonic() - t0
         ran = []

@@ -197,15 +197,11 @@ def run(
         log(f"wrote {path}")
         written.append(path)
     left = 0  # studies not done, where a GPU's worker died for good
-    if dead:
-        from kvgen.space import load_space
-
+    if dead:  # (the progress display holds each study's budget)
         left = sum(
-            not tuner.study_done(st.spec, st.bucket, store, tuner.budget(
-                load_space(st.spec.template), opts.sampler, opts.trials, st.spec, st.bucket
-            ), stop)
-            for st in studies
-        )  # fmt: skip
+            not tuner.study_done(st.spec, st.bucket, store, limit, stop)
+            for st, limit in zip(studies, progress.limits, strict=True)
+        )
     if left:  # (a worker that died past the last study left nothing undone)
         raise Incomplete(
             f"the worker of {len(dead)} GPU(s) died ("
