@@ -73,7 +73,8 @@ def tune_cmd(
         opt(
             "Re-time each study's best N configs within 10 % of its best trial (every config, "
             "in a study of 8 or fewer; the default where it is among them; the tuned JSON's "
-            "config for the bucket where it read within 25 %) in 3 alternated rounds; keep the "
+            "config for the bucket where it read within 25 %) in 3 alternated rounds, then "
+            "beside the winner up to N more whose trial read under its median; keep the "
             "lowest median (0: the best trial).",
             min=0,
         ),

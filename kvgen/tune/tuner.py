@@ -698,15 +698,29 @@ def summarize(
 
 
 CONFIRM_ALL = 8  # studies of this many distinct configs or fewer: re-time every one
-# In a larger study only the configs whose trial read within this much of the best are re-timed:
-# a single timing of a microsecond kernel can read up to ~10 % fast after heavy work
-# (docs/performance.md), so configs further apart than that keep their order.
+# In a larger study the configs whose trial read within this much of the best are re-timed
+# first. A single timing of a microsecond kernel can read fast after lighter work (a
+# per-token-head store's trials up to 16 % under its re-timed median in an H100's cold tune),
+# so a second pass re-times the configs whose trial read under the first pass's winning median
+# (``confirm``): a lucky best trial cannot keep the configs behind it from being re-timed.
 CONFIRM_MARGIN = 0.10
 # The config the tuned JSON holds for the bucket (the incumbent, queued as the study's second
 # trial) won alternated re-timings when it was tuned: it is re-timed beside the best wherever
 # its trial read within this much of the best, so that one unlucky reading (or one lucky
 # reading of another config) does not replace it with a slower config.
 INCUMBENT_MARGIN = 0.25
+
+
+def _readings(study: optuna.Study) -> tuple[list[dict[str, Any]], list[float]]:
+    """The study's distinct timed configs, best trial first, and each one's best reading."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    configs: list[dict[str, Any]] = []
+    values: list[float] = []
+    for t in sorted(complete, key=lambda t: (t.value, t.number)):
+        if t.params not in configs:
+            configs.append(dict(t.params))
+            values.append(t.value)
+    return configs, values
 
 
 def confirm_candidates(
@@ -719,15 +733,8 @@ def confirm_candidates(
     at most ``CONFIRM_ALL`` (a small bucket's few feasible points: one unlucky trial must not
     hide the best), else the ``top`` best within ``CONFIRM_MARGIN`` of the best trial's time,
     the default where it was timed within that margin, and the ``incumbent`` (the tuned JSON's
-    config for the bucket) where it was timed within ``INCUMBENT_MARGIN``. Fewer than two:
-    nothing to re-time."""
-    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    configs: list[dict[str, Any]] = []
-    values: list[float] = []
-    for t in sorted(complete, key=lambda t: (t.value, t.number)):
-        if t.params not in configs:
-            configs.append(dict(t.params))
-            values.append(t.value)
+    config for the bucket) where it was timed within ``INCUMBENT_MARGIN``."""
+    configs, values = _readings(study)
     if len(configs) <= CONFIRM_ALL:
         return configs
     limit = values[0] * (1 + CONFIRM_MARGIN)
@@ -754,15 +761,17 @@ def confirm(
 ) -> StudyResult | None:
     """Re-time the study's ``confirm_candidates`` ``rounds`` times each in alternated order
     (forward, backward, ...), with ``evaluate.confirm`` where the evaluator has one (the GPU
-    evaluator's: the bench's full settle), and return the result with the lowest median: one
-    lucky timing does not pick the config. ``record``: also store the outcome on the study
+    evaluator's: the bench's full settle), then, beside the winner again, the configs not yet
+    re-timed whose trial read under its median (``top`` at most), and return the result with
+    the lowest median: one lucky timing does not pick the config, nor keep a better one from
+    being re-timed. ``record``: also store the outcome on the study
     (``stored_confirmation`` reads it back), which is how a worker hands its re-timings to
     the process that writes the JSON.
 
     The study's trial values are left as they are. A candidate that fails now (a wrong result,
     a crash) is dropped; a ``WorkerFault`` propagates. None when there is no study; the study's
-    own result when it has no successful trial, ``top`` is 0 or fewer than two configs are
-    candidates.
+    own result when it has no successful trial, ``top`` is 0 or it timed a single config (a
+    best trial with no other config near it is re-timed alone, for the second pass).
     """
     study = load_study(spec, bucket, storage)
     if study is None:
@@ -774,23 +783,29 @@ def confirm(
         if top > 0 and rounds > 0
         else []
     )
-    if result.meta is None or len(candidates) < 2:
+    if result.meta is None or not candidates or len(_readings(study)[0]) < 2:
         final = result
     else:
         # (an evaluator may time its re-timings more carefully than its trials)
         timer = getattr(evaluate, "confirm", evaluate)
         times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
-        for r in range(rounds):
-            order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
-            for i in order:
-                if i in times:
-                    try:
-                        times[i].append(timer(candidates[i]))
-                    except WorkerFault:  # the GPU context is broken: the caller stops
-                        raise
-                    except Exception:  # wrong now, or a crash: dropped, as a trial would be
-                        del times[i]
+        _retime(candidates, list(times), rounds, timer, times)
         medians = {i: statistics.median(ts) for i, ts in times.items()}
+        if medians:
+            # The second pass: the configs not re-timed whose trial read under the winning
+            # median (at most ``top`` of them, best reading first), beside the winner again.
+            won = min(medians.values())
+            configs, values = _readings(study)
+            later = [
+                c for c, v in zip(configs, values, strict=True) if v < won and c not in candidates
+            ][:top]
+            if later:
+                first = min(medians, key=lambda i: (medians[i], i))
+                candidates = candidates + later
+                added = list(range(len(candidates) - len(later), len(candidates)))
+                times |= {i: [] for i in added}
+                _retime(candidates, [first, *added], rounds, timer, times)
+                medians = {i: statistics.median(ts) for i, ts in times.items() if ts}
         if not medians:
             final = result
         else:
@@ -817,6 +832,24 @@ def confirm(
             },
         )
     return final
+
+
+def _retime(
+    candidates: list[dict], which: list[int], rounds: int, timer, times: dict[int, list[float]]
+) -> None:
+    """Time ``candidates[i]`` for each ``i`` of ``which``, ``rounds`` times in alternated order
+    (forward, backward, ...), appending to ``times[i]``; a candidate that fails now (a wrong
+    result, a crash) is dropped from ``times``, as a trial would be; a ``WorkerFault`` (a broken
+    GPU context) propagates."""
+    for r in range(rounds):
+        for i in which if r % 2 == 0 else reversed(which):
+            if i in times:
+                try:
+                    times[i].append(timer(candidates[i]))
+                except WorkerFault:  # the GPU context is broken: the caller stops
+                    raise
+                except Exception:  # wrong now, or a crash: dropped, as a trial would be
+                    del times[i]
 
 
 # The study's user attribute holding a worker's confirmation (see ``confirm(record=True)``).
