@@ -126,7 +126,8 @@ def search_best(space, bucket, times, sampler, n, seed, start, patience=0) -> tu
     with tempfile.TemporaryDirectory() as d:
         storage = tuner.storage_from(f"{d}/s.journal", None)
         r = tuner.run_study(spec, bucket, space, lookup, storage=storage, sampler=sampler,
-                            n_trials=n, seed=seed, stop=tuner.StopRule(patience))  # fmt: skip
+                            n_trials=n, seed=seed,
+                            stop=tuner.StopRule(patience, local=sampler == "local"))  # fmt: skip
     return r.time_us, r.trials
 
 

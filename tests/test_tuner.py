@@ -206,6 +206,47 @@ def test_the_stop_rule_ends_a_study_once_trials_stop_paying(override, storage):
     assert more.trials == 9 and not more.stopped_early
 
 
+def test_the_local_stop_rule_ends_a_study_at_a_local_optimum(override, storage, tmp_path):
+    """The walk from the default (4 rows, 2 warps) finds 4 warps by a 0.5 % gain (under
+    min_gain), so patience 3 ends the study with 8 warps, beside its best and the true best,
+    untried; with ``local`` the study goes on while a neighbour of its best is untried, and
+    ends at the true best once its neighbours are tried. A resumed run with the same rule runs
+    nothing; the rule must be bound to its study."""
+    default = SPEC.default_meta(**BUCKET)
+    assert (default["rows_per_program"], default["num_warps"]) == (4, 2)
+
+    def cost(meta):
+        return {(4, 2): 10.0, (4, 4): 9.95, (4, 8): 9.0}.get(
+            (meta["rows_per_program"], meta["num_warps"]), 10.5
+        )
+
+    four, eight = {**default, "num_warps": 4}, {**default, "num_warps": 8}
+    rec = Recorder()
+    plain = tuner.StopRule(patience=3, min_gain=0.01)
+    r = tuner.run_study(SPEC, BUCKET, SPACE, lambda m: (rec(m), cost(m))[1], storage=storage,
+                        sampler="local", n_trials=40, stop=plain)  # fmt: skip
+    assert r.stopped_early and r.meta == four and r.trials == 4 and eight not in rec.calls
+
+    local = tuner.StopRule(patience=3, min_gain=0.01, local=True)
+    other = tuner.storage_from(str(tmp_path / "local.journal"), tmp_path / "unused")
+    rec = Recorder()
+    r = tuner.run_study(SPEC, BUCKET, SPACE, lambda m: (rec(m), cost(m))[1], storage=other,
+                        sampler="local", n_trials=40, stop=local)  # fmt: skip
+    assert r.meta == eight and r.time_us == 9.0 and r.stopped_early
+    assert rec.calls.index(four) < rec.calls.index(eight) and r.trials < 19
+    # it ended once every feasible neighbour of its best (8 warps) was tried
+    bound = local.for_study(SPEC, BUCKET)
+    tried = [dict(m) for m in rec.calls]
+    assert all(q in tried for q in bound.neighbours(eight))
+    n = len(rec.calls)
+    again = tuner.run_study(SPEC, BUCKET, SPACE, lambda m: (rec(m), cost(m))[1], storage=other,
+                            sampler="local", n_trials=40, stop=local)  # fmt: skip
+    assert len(rec.calls) == n and again.trials == r.trials and again.meta == eight
+    with pytest.raises(RuntimeError, match="for_study"):
+        local.met(_trials(10.0, 10.5, 10.5, 10.5))
+    assert plain.for_study(SPEC, BUCKET) is plain  # (only a local rule is bound)
+
+
 def test_a_point_two_workers_sampled_at_once_runs_in_the_lower_trial_only(storage):
     """A trial whose point an earlier trial holds (running, or enqueued and waiting) is
     surplus; the earlier one keeps it; a surplus trial holds nothing."""

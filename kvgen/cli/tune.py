@@ -83,7 +83,8 @@ def tune_cmd(
         int,
         opt(
             "End a study once this many trials in a row each gained less than --min-gain on "
-            "its best (0: run every trial; a grid always runs whole).",
+            "its best and, with the local search, every neighbour of its best config was "
+            "tried (0: run every trial; a grid always runs whole).",
             min=0,
         ),
     ] = PATIENCE,

@@ -302,7 +302,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         )
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
-        if tuner.budget_taken(study, limit, stop):
+        if tuner.budget_taken(study, limit, stop.for_study(spec, bucket, space)):
             continue  # taken by other workers (or a finished earlier run): build no inputs
         if plan.sampler != "grid":
             neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
@@ -397,7 +397,7 @@ def _confirm_here(plan, spec, bucket, study, storage, evaluate, limit, me, deadl
     stop = plan.stop or tuner.NO_STOP
     if plan.confirm <= 0 or (deadline is not None and time.monotonic() >= deadline):
         return
-    if not tuner.budget_taken(study, limit, stop):
+    if not tuner.budget_taken(study, limit, stop.for_study(spec, bucket)):
         return
     if tuner.stored_confirmation(spec, bucket, storage, stop) is not None:
         return

@@ -47,7 +47,7 @@ class Options:
         """The studies' stop rule (a grid runs whole)."""
         if self.sampler == "grid":
             return tuner.NO_STOP
-        return tuner.StopRule(self.patience, self.min_gain)
+        return tuner.StopRule(self.patience, self.min_gain, local=self.sampler == "local")
 
 
 def default_storage(arch: str) -> Path:
@@ -229,7 +229,7 @@ class Progress:
         self.studies, self.store, self.gpus, self.log = studies, store, max(1, gpus), log
         # (a file: each line the variants whose studies are all done, for the compile pool)
         self.finished, self.written = finished, set()
-        self.stop = opts.stop
+        self.stops = [opts.stop.for_study(st.spec, st.bucket, st.space) for st in studies]
         self.limits = [
             tuner.budget(st.space, opts.sampler, opts.trials, st.spec, st.bucket) for st in studies
         ]
@@ -247,11 +247,13 @@ class Progress:
     def line(self) -> str:
         done, seconds, left = [], {}, []
         ran, recorded = 0.0, 0.0  # the finished studies with a record: this run's, the record's
-        for st, limit, prior in zip(self.studies, self.limits, self.priors, strict=True):
+        for st, limit, prior, stop in zip(
+            self.studies, self.limits, self.priors, self.stops, strict=True
+        ):
             study = tuner.load_study(st.spec, st.bucket, self.store)
             trials = [] if study is None else study.get_trials(deepcopy=False)
             finished = tuner.finished(trials)
-            if tuner.done(trials, limit, self.stop):
+            if tuner.done(trials, limit, stop):
                 done.append(st)
                 wall = tuner.wall_time(study)
                 stamps = [t for t in finished if t.datetime_start and t.datetime_complete]

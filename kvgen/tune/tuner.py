@@ -360,12 +360,38 @@ class StopRule:
     (relative). A failed trial is a trial without a gain; points skipped by a constraint (never
     compiled or timed) do not count. ``patience`` 0: never (the whole budget runs).
 
+    With ``local`` (the local search's rule) a study also goes on while a feasible neighbour of
+    its best config (by trial reading; ``NeighbourhoodSampler.neighbours``) is untried, which
+    is what the search tries next: it ends at a local optimum. A best config found late, by a
+    gain under ``min_gain``, otherwise ended its study with its own neighbours untried. Such a
+    rule is bound to a study with ``for_study`` (its feasible points) before ``met`` is asked.
+
     The rule reads only the stored trials, so every worker of a shared study, and a resumed
     run, reach the same decision.
     """
 
     patience: int = 0
     min_gain: float = 0.01
+    local: bool = False
+    # (``for_study``: the study the rule is bound to, and its feasible neighbours function)
+    study: tuple[str, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+    neighbours: Callable[[dict[str, Any]], list[dict[str, Any]]] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+
+    def for_study(self, spec, bucket: dict[str, int], space: Space | None = None) -> StopRule:
+        """This rule for the study of ``spec`` at ``bucket`` (itself unless ``local``)."""
+        if not self.local or self.patience <= 0:
+            return self
+        key = (spec.name, bucket_key(bucket))
+        if self.study == key:
+            return self
+        if space is None:
+            from kvgen.space import load_space
+
+            space = load_space(spec.template)
+        search = NeighbourhoodSampler(space, space.feasible(spec, bucket))
+        return dataclasses.replace(self, study=key, neighbours=search.neighbours)
 
     def met(self, trials) -> bool:
         if self.patience <= 0:
@@ -383,7 +409,16 @@ class StopRule:
                 since += 1
             if value is not None:
                 best = min(best, value)
-        return since >= self.patience
+        if since < self.patience or not self.local:
+            return since >= self.patience
+        if self.neighbours is None:
+            raise RuntimeError("a local StopRule asked before for_study bound it to a study")
+        timed = [t for t in done if t.state == optuna.trial.TrialState.COMPLETE and t.params]
+        if not timed:
+            return True
+        top = min(timed, key=lambda t: (t.value, t.number))
+        tried = _tried(trials, -1)
+        return all(_point_key(q) in tried for q in self.neighbours(dict(top.params)))
 
 
 NO_STOP = StopRule()
@@ -500,6 +535,7 @@ def work_on_study(
     it too).
     """
     limit = budget(space, sampler, n_trials, spec, bucket)
+    stop = stop.for_study(spec, bucket, space)
 
     def objective(trial: optuna.Trial) -> float:
         if worker is not None:
@@ -577,6 +613,7 @@ def run_study(
         spec, bucket, space, storage=storage, sampler=sampler, seed=seed, n_trials=n_trials
     )
     default = spec.default_meta(**bucket)
+    stop = stop.for_study(spec, bucket, space)
     if sampler != "grid":
         warm_start(study, spec, bucket, space, storage, neighbours,
                    budget(space, sampler, n_trials, spec, bucket))  # fmt: skip
@@ -660,7 +697,9 @@ def done(trials, limit: int, stop: StopRule = NO_STOP) -> bool:
 def study_done(spec, bucket: dict[str, int], storage, limit: int, stop: StopRule = NO_STOP) -> bool:
     """The stored study of ``spec`` at ``bucket`` is ``done`` (False: no study yet)."""
     study = load_study(spec, bucket, storage)
-    return study is not None and done(study.get_trials(deepcopy=False), limit, stop)
+    return study is not None and done(
+        study.get_trials(deepcopy=False), limit, stop.for_study(spec, bucket)
+    )
 
 
 def load_result(
@@ -692,7 +731,7 @@ def summarize(
         len(trials),
         len(fails) - skipped,
         skipped,
-        stopped_early=stop.met(every),
+        stopped_early=stop.for_study(spec, bucket).met(every),
         wall_s=wall_time(study),
     )
 
