@@ -346,13 +346,13 @@ def _precompile(
             return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
 
         full = sum(len(values) - 1 for values in space.params.values())  # every point
-        if opts.sampler != "local":  # no local walk: any point may come, so all of them
-            entries.append((spec, space, mine[len(mine) // 2].bucket, start_points(mine), full))
-            continue
         # Beside the workers, the pool goes on ring by ring until the workers are done (its
         # cores are idle otherwise, and a walk past the first rings compiles in its trials:
-        # 0.5 s a store kernel, seconds a decode's); before them, the first rings only.
-        radius = full if cancel is not None else precompile.COMPILE_RADIUS
+        # 0.5 s a store kernel, seconds a decode's); before them, the first rings only. With
+        # no local walk (tpe, grid, random) any point may come: every ring.
+        radius = (
+            full if cancel is not None or opts.sampler != "local" else precompile.COMPILE_RADIUS
+        )
         # buckets whose launches Triton specialises alike share binaries: each such class's
         # studies' start points and their neighbourhood, compiled at one of its buckets
         classes: dict[tuple, list[Study]] = {}
