@@ -302,7 +302,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         )
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
-        if tuner.budget_taken(study, limit, stop.for_study(spec, bucket, space)):
+        rule = stop.for_study(spec, bucket, space)  # (the local rule: bound once a study)
+        if tuner.budget_taken(study, limit, rule):
             continue  # taken by other workers (or a finished earlier run): build no inputs
         if plan.sampler != "grid":
             neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
@@ -345,12 +346,12 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
                 deadline=deadline,
                 worker=me,
                 on_trial=lambda s, ran=ran: ran.append(1),
-                stop=stop,
+                stop=rule,
             )
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
-        r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
+        r = tuner.summarize(spec, bucket, study, spec.default_meta(**bucket), rule)
         best = f"{r.time_us:.2f} us {r.meta}" if r.meta else "none yet"
         split = getattr(raw, "seconds", {})
         counts = getattr(raw, "counts", {})
@@ -364,7 +365,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             + ("; stopped: no more gain" if r.stopped_early else "")
         )
         try:
-            _confirm_here(plan, spec, bucket, study, storage, evaluate, limit, me, deadline, log)
+            _confirm_here(
+                plan, spec, bucket, study, storage, evaluate, limit, rule, me, deadline, log
+            )
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault while re-timing, this worker stops: {exc}")
             return EXIT_FAULT
@@ -386,18 +389,20 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
 CONFIRM_WAIT_S = 300.0  # longest wait for other workers' last trials of a study
 
 
-def _confirm_here(plan, spec, bucket, study, storage, evaluate, limit, me, deadline, log) -> None:
+def _confirm_here(
+    plan, spec, bucket, study, storage, evaluate, limit, stop, me, deadline, log
+) -> None:
     """Re-time the study's best configs in this worker (its inputs are built) when the study
     has taken its budget and this worker wins the claim (``tuner.claim_confirmation``), once
     the other workers' last trials of it have finished; the result is stored on the study,
     where the coordinator reads it. With several GPUs the claims spread the re-timing over
-    them, while the other workers go on with the next studies."""
+    them, while the other workers go on with the next studies. ``stop``: the study's stop rule
+    (``StopRule.for_study``)."""
     from kvgen.tune import tuner
 
-    stop = plan.stop or tuner.NO_STOP
     if plan.confirm <= 0 or (deadline is not None and time.monotonic() >= deadline):
         return
-    if not tuner.budget_taken(study, limit, stop.for_study(spec, bucket)):
+    if not tuner.budget_taken(study, limit, stop):
         return
     if tuner.stored_confirmation(spec, bucket, storage, stop) is not None:
         return

@@ -763,7 +763,7 @@ def _readings(study: optuna.Study) -> tuple[list[dict[str, Any]], list[float]]:
 
 
 def confirm_candidates(
-    study: optuna.Study,
+    readings: tuple[list[dict[str, Any]], list[float]],
     default: dict[str, Any],
     top: int,
     incumbent: dict[str, Any] | None = None,
@@ -772,8 +772,9 @@ def confirm_candidates(
     at most ``CONFIRM_ALL`` (a small bucket's few feasible points: one unlucky trial must not
     hide the best), else the ``top`` best within ``CONFIRM_MARGIN`` of the best trial's time,
     the default where it was timed within that margin, and the ``incumbent`` (the tuned JSON's
-    config for the bucket) where it was timed within ``INCUMBENT_MARGIN``."""
-    configs, values = _readings(study)
+    config for the bucket) where it was timed within ``INCUMBENT_MARGIN``. ``readings``: the
+    study's ``_readings``."""
+    configs, values = readings
     if len(configs) <= CONFIRM_ALL:
         return configs
     limit = values[0] * (1 + CONFIRM_MARGIN)
@@ -817,12 +818,13 @@ def confirm(
         return None
     default = spec.default_meta(**bucket)
     result = summarize(spec, bucket, study, default, stop)
+    configs, values = readings = _readings(study)  # (re-timing adds no trial)
     candidates = (
-        confirm_candidates(study, default, top, incumbent(spec, bucket))
+        confirm_candidates(readings, default, top, incumbent(spec, bucket))
         if top > 0 and rounds > 0
         else []
     )
-    if result.meta is None or not candidates or len(_readings(study)[0]) < 2:
+    if result.meta is None or not candidates or len(configs) < 2:
         final = result
     else:
         # (an evaluator may time its re-timings more carefully than its trials)
@@ -834,7 +836,6 @@ def confirm(
             # The second pass: the configs not re-timed whose trial read under the winning
             # median (at most ``top`` of them, best reading first), beside the winner again.
             won = min(medians.values())
-            configs, values = _readings(study)
             later = [
                 c for c, v in zip(configs, values, strict=True) if v < won and c not in candidates
             ][:top]
