@@ -9,7 +9,8 @@ with KVGEN_FAKE_CUDA=1 every evaluation launches a small Triton kernel on the GP
 writes 4 TiB past its tensor instead, a real illegal address that breaks the CUDA context),
 KVGEN_FAKE_BUILD_ERROR (a bucket's num_tokens: building its inputs raises a Python error, in
 every process), KVGEN_FAKE_BUILD_OOM ("T:N": the first N builds of the inputs of bucket
-num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN_FAKE_WORKERS
+num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN_FAKE_TRIAL_OOM
+("T:N": likewise for the first N evaluations at bucket num_tokens=T), KVGEN_FAKE_WORKERS
 (a count: a worker's first evaluation waits, up to a minute, until that many worker processes
 have reached theirs, so that a test of several workers never sees one worker do
 all the trials while another is still starting).
@@ -118,11 +119,24 @@ def evaluator(spec, bucket):
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
 
+    trial_oom = os.environ.get("KVGEN_FAKE_TRIAL_OOM")
+
     def evaluate(meta):
         global _started
         if workers and log and not _started:
             _started = True
             _wait_for_workers(log, workers)
+        if trial_oom and log and str(bucket.get("num_tokens")) == trial_oom.split(":")[0]:
+            with open(f"{log}.trial-oom", "a+") as f:  # evaluations that ran out, all processes
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.seek(0)
+                n = sum(1 for _ in f) + 1
+                if n <= int(trial_oom.split(":")[1]):
+                    f.write(f"{os.getpid()} {json.dumps(meta, sort_keys=True)}\n")
+            if n <= int(trial_oom.split(":")[1]):
+                import torch
+
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         if log:
             with open(log, "a+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)
@@ -155,13 +169,17 @@ def evaluator(spec, bucket):
 def compile_checker(spec, bucket):
     """``kvgen.tune.precompile``'s checker, faked: every check appends "pid variant#bucket meta" to
     KVGEN_FAKE_LOG; a config of 8 warps is "wrong", one of 16 raises (a compile error); the
-    variant named by KVGEN_FAKE_NO_PROBLEM cannot build its problem (out of memory)."""
+    variant named by KVGEN_FAKE_NO_PROBLEM cannot build its problem (out of memory); building
+    a problem takes KVGEN_FAKE_BUILD_S seconds and appends "pid variant start end" (times) to
+    KVGEN_FAKE_LOG + ".factories"."""
     if spec.name == os.environ.get("KVGEN_FAKE_NO_PROBLEM"):
         raise RuntimeError("CUDA out of memory")
     log = os.environ["KVGEN_FAKE_LOG"]
+    t0 = time.time()
+    time.sleep(float(os.environ.get("KVGEN_FAKE_BUILD_S", "0")))  # building takes this long
     with open(log + ".factories", "a") as f:  # one line each time a process builds a problem
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(f"{os.getpid()} {spec.name}\n")
+        f.write(f"{os.getpid()} {spec.name} {t0:.6f} {time.time():.6f}\n")
 
     def check(meta):
         with open(log, "a") as f:

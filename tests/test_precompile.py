@@ -206,6 +206,49 @@ def test_a_pool_process_builds_a_problem_only_where_the_gpu_keeps_its_reserve_fr
     precompile._checks.clear()
 
 
+def test_a_pool_process_drops_its_problem_once_the_free_share_falls_under_the_reserve(
+    tmp_path, monkeypatch
+):
+    """Between candidates a pool process looks at the GPU's free memory again: once a worker's
+    trial has taken it below POOL_RESERVE, the process drops its problem and leaves the task's
+    other candidates to the trials, so that the worker's next try finds the memory."""
+    log = tmp_path / "checks.log"
+    monkeypatch.setenv("KVGEN_FAKE_LOG", str(log))
+    space = load_space(KV.template)
+    bucket = space.bucket_list()[0]
+    metas = tuple(space.feasible(KV, bucket)[:4])
+    keys = [json.dumps(m, sort_keys=True) for m in metas]
+    free = iter([0.5, 0.4, 0.3, 0.1])  # room, after building, before the 2nd, before the 3rd
+    monkeypatch.setattr(precompile, "_free_share", lambda: next(free))
+    precompile._checks.clear()
+    task = precompile.Task(KV, bucket, metas, 0)
+    _, out, _ = precompile._run((task, None, "_fake_tuning:compile_checker", None))
+    assert list(out) == keys
+    assert all(not out[k].startswith("building the problem") for k in keys[:2])
+    for k in keys[2:]:
+        assert out[k].startswith("building the problem: NoRoom: 10% of the GPU's memory free")
+    assert len(log.read_text().splitlines()) == 2  # the first two checked, no more
+    assert precompile._checks == {}  # and the problem given back
+
+
+def test_a_pool_s_processes_build_their_problems_one_at_a_time(tmp_path, monkeypatch):
+    """Several pool processes that switch problems at once build them one after another, so
+    that each one's look at the free memory after building sees the others' problems."""
+    log = tmp_path / "checks.log"
+    monkeypatch.setenv("KVGEN_FAKE_LOG", str(log))
+    monkeypatch.setenv("KVGEN_FAKE_BUILD_S", "0.3")
+    space = load_space(KV.template)
+    buckets = space.bucket_list()[:3]
+    tasks = [precompile.Task(KV, b, (KV.default_meta(**b),), 0) for b in buckets]
+    out = precompile.precompile(tasks, 3, checker="_fake_tuning:compile_checker")
+    assert len(out) == 3
+    lines = (tmp_path / "checks.log.factories").read_text().splitlines()
+    assert len(lines) == 3 and len({line.split()[0] for line in lines}) > 1
+    built = sorted(tuple(float(x) for x in line.split()[2:4]) for line in lines)
+    for (_, end), (start, _) in zip(built, built[1:], strict=False):
+        assert start >= end  # no two builds overlap
+
+
 def test_the_trials_count_compiles_and_cache_hits_through_triton_s_listener(monkeypatch):
     """The worker's log says how many kernels a study compiled and how many it found in
     Triton's cache (what compiling ahead saves): counted by Triton's compilation listener,

@@ -35,9 +35,10 @@ BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
 
 
-def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom=""):
+def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom="", trial_oom=""):
     return {
         "KVGEN_FAKE_BUILD_OOM": build_oom,
+        "KVGEN_FAKE_TRIAL_OOM": trial_oom,
         "KVGEN_TUNE_OOM_WAIT_S": "0.05",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
         "KVGEN_FAKE_LOG": str(log),
@@ -278,6 +279,47 @@ def test_no_gpu_memory_for_a_study_s_inputs_is_waited_out_and_fails_no_trial(tmp
         assert len(tuner.counted(study.trials)) == 10
         assert not any(tuner.failure(study, t) for t in study.trials if not
                        t.user_attrs.get("surplus"))  # fmt: skip
+
+
+@pytest.mark.parametrize("sampler", ["local", "tpe"])
+@pytest.mark.parametrize("ooms", [1, parallel.OOM_RETRIES])
+def test_no_gpu_memory_for_a_trial_is_waited_out_and_fails_no_config(tmp_path, ooms, sampler):
+    """CUDA out of memory in a trial (the compile pool's processes holding the GPU's memory:
+    the config is not at fault) is the environment's, not the config's: the worker frees its
+    cache, waits and runs the trial again (OOM_RETRIES tries). After as many failures the trial
+    is lost: it counts as none (surplus, marked lost), its point is queued again, and the
+    worker exits for a fresh one, which runs that point as the study's next trial. No trial
+    fails, and every study runs its budget."""
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), sampler, 10, log, workers=1,
+                               trial_oom=f"65536:{ooms}")  # fmt: skip
+    ran_out = (tmp_path / "evals.log.trial-oom").read_text().splitlines()
+    assert len(ran_out) == ooms and len({p for _, p in (x.split(" ", 1) for x in ran_out)}) == 1
+    point = json.loads(ran_out[0].split(" ", 1)[1])
+    tries = [line for line in lines if "out of GPU memory in a trial" in line]
+    assert len(tries) == min(ooms, parallel.OOM_RETRIES - 1), lines
+    assert all(e.returncode == 0 for e in exits), lines
+    study = _study(store, BUCKETS[1])
+    lost = [t for t in study.trials if t.user_attrs.get("lost")]
+    if ooms < parallel.OOM_RETRIES:
+        assert [e.deaths for e in exits] == [[]], lines
+        assert lost == []
+    else:
+        assert [e.deaths for e in exits] == [[parallel.EXIT_MEMORY]], lines
+        assert any("a trial lost (queued again), this worker stops" in line
+                   for line in lines), lines  # fmt: skip
+        assert len(lost) == 1 and lost[0].params == point
+        assert "out of GPU memory in 3 tries" in lost[0].user_attrs["lost"]
+        assert lost[0].user_attrs.get("surplus") and lost[0] not in tuner.counted(study.trials)
+        again = [t for t in study.trials if t.user_attrs.get("retry_of") == lost[0].number]
+        assert len(again) == 1 and again[0].params == point
+        assert again[0].state == optuna.trial.TrialState.COMPLETE
+    for b in BUCKETS:
+        study = _study(store, b)
+        trials = tuner.counted(study.trials)
+        assert len(trials) == 10
+        assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+        assert len({json.dumps(t.params, sort_keys=True) for t in trials}) == 10
 
 
 def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):

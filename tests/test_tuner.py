@@ -18,6 +18,7 @@ from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
 from kvgen.families.per_token_head import StoreKVPerTokenHeadSpec  # noqa: E402
 from kvgen.space import SpaceError, evaluate, load_space  # noqa: E402
 from kvgen.tune import tuner  # noqa: E402
+from kvgen.tune.tuner import NeighbourhoodSampler  # noqa: E402
 
 SPEC = StoreMXFP4MLASpec(32, 512, "bf16", "paged", "sm90", "gpu")
 SPACE = load_space(SPEC.template)
@@ -320,7 +321,11 @@ def test_a_fresh_study_starts_from_its_nearest_tuned_buckets(override, storage):
     assert len(rec2.calls) == 4 and not any(c in rec.calls for c in rec2.calls)
 
 
-def test_warm_start_skips_configs_the_bucket_rules_out(override, storage):
+def test_warm_start_takes_the_nearest_config_the_bucket_allows_for_one_it_rules_out(
+    override, storage
+):
+    """A neighbouring bucket's best that breaks this bucket's constraints (a head tile taller
+    than its rows) comes as the allowed config one parameter away from it."""
     other = {"num_tokens": 16384}
     tuner.run_study(SPEC, other, SPACE, far_time, storage=storage, sampler="local", n_trials=12)
     best = tuner.load_result(SPEC, other, storage).meta
@@ -332,8 +337,57 @@ def test_warm_start_skips_configs_the_bucket_rules_out(override, storage):
 
     refusing = Refusing(SPACE.template, SPACE.params, SPACE.buckets, SPACE.constraints)
     study = tuner.open_study(SPEC, BUCKET, SPACE, storage=storage, sampler="local", n_trials=6)
-    assert tuner.warm_start(study, SPEC, BUCKET, refusing, storage, [other], limit=6) == []
+    (got,) = tuner.warm_start(study, SPEC, BUCKET, refusing, storage, [other], limit=6)
+    assert got != best and not refusing.violations(SPEC, got, BUCKET)
+    index = {k: list(v) for k, v in SPACE.params.items()}
+    moved = [k for k in best if got[k] != best[k]]
+    assert len(moved) == 1
+    assert abs(index[moved[0]].index(got[moved[0]]) - index[moved[0]].index(best[moved[0]])) == 1
     assert tuner.warm_start(study, SPEC, BUCKET, SPACE, storage, [other], limit=6) == [best]
+
+
+def test_a_study_that_ran_before_its_neighbours_tries_their_bests_and_walks_on(storage):
+    """The local search's second pass (``revisit``): a study that ended at a local optimum
+    before its neighbouring bucket had a result runs that bucket's best (a queued point runs
+    though the stop rule was met), and, as it beats the study's best, the search goes on from
+    it: its neighbours are tried. Once tried, the second pass queues nothing more."""
+    other = {"num_tokens": 16384}
+    default = SPEC.default_meta(**BUCKET)
+    feasible = SPACE.feasible(SPEC, BUCKET)
+    far = max(feasible, key=lambda m: sum(m[k] != default[k] for k in m))
+
+    def here(meta):  # the default a local optimum; ``far`` (all parameters away) best of all
+        return 1.0 if meta == far else 10.0 + 0.5 * sum(meta[k] != default[k] for k in meta)
+
+    rule = tuner.StopRule(patience=3, local=True)
+    first = Recorder()
+    first_cost = lambda m: first(m) and here(m)  # noqa: E731
+    r = tuner.run_study(SPEC, BUCKET, SPACE, first_cost, storage=storage, sampler="local",
+                        n_trials=40, stop=rule)  # fmt: skip
+    assert r.meta == default and r.stopped_early and far not in first.calls
+    study = optuna.load_study(study_name=tuner.study_name(SPEC, BUCKET), storage=storage)
+    limit = tuner.budget(SPACE, "local", 40, SPEC, BUCKET)
+    bound = rule.for_study(SPEC, BUCKET, SPACE)
+    assert tuner.budget_taken(study, limit, bound)
+    # the neighbouring bucket's study finds ``far`` (started there)
+    theirs = tuner.open_study(SPEC, other, SPACE, storage=storage, sampler="local", n_trials=4)
+    theirs.enqueue_trial(far)
+    tuner.run_study(SPEC, other, SPACE, here, storage=storage, sampler="local", n_trials=4)
+    assert tuner.load_result(SPEC, other, storage).meta == far
+
+    assert tuner.revisit(study, SPEC, BUCKET, SPACE, storage, [other], limit) == [far]
+    assert not tuner.budget_taken(study, limit, bound)  # the queued point runs
+    again = Recorder()
+    tuner.work_on_study(study, SPEC, BUCKET, SPACE, lambda m: again(m) and here(m),
+                        n_trials=40, sampler="local", stop=rule)  # fmt: skip
+    assert again.calls[0] == far
+    near_far = NeighbourhoodSampler(SPACE, feasible).neighbours(far)
+    assert len(again.calls) > len(near_far) >= 1
+    assert {json.dumps(c, sort_keys=True) for c in near_far} <= {
+        json.dumps(t.params, sort_keys=True) for t in study.trials if t.params
+    }  # the walk went on from it until its neighbours were all tried
+    assert tuner.summarize(SPEC, BUCKET, study, default, bound).meta == far
+    assert tuner.revisit(study, SPEC, BUCKET, SPACE, storage, [other], limit) == []
 
 
 def test_progress_line_counts_studies_names_the_current_one_and_estimates_time_left(

@@ -45,9 +45,9 @@ from typing import Any
 GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
 # Exit status of a worker that stopped because its GPU context is broken.
 EXIT_FAULT = 3
-# Exit status of a worker that found no GPU memory for a study's inputs, after waiting
-# (OOM_RETRIES tries, OOM_WAIT_S apart): other processes on its GPU held it (the compile
-# pool's problems, another user's job); a fresh worker tries the study again.
+# Exit status of a worker that found no GPU memory for a study's inputs or a trial, after
+# waiting (OOM_RETRIES tries, OOM_WAIT_S apart): other processes on its GPU held it (the
+# compile pool's problems, another user's job); a fresh worker tries the study again.
 EXIT_MEMORY = 4
 OOM_RETRIES = 3
 OOM_WAIT_S = float(os.environ.get("KVGEN_TUNE_OOM_WAIT_S", "10"))
@@ -287,7 +287,12 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
     deadline = None
     if plan.deadline is not None:
         deadline = time.monotonic() + (plan.deadline - time.time())
-    for spec, bucket in plan.jobs:
+    # The local search's second pass: each study tries the best configs its neighbouring
+    # buckets found after it had run (``tuner.revisit``), and walks on from one that wins.
+    passes = [(spec, bucket, False) for spec, bucket in plan.jobs]
+    if plan.sampler == "local":
+        passes += [(spec, bucket, True) for spec, bucket in plan.jobs]
+    for spec, bucket, again in passes:
         t_study = time.monotonic()
         space = load_space(spec.template)
         study = tuner.open_study(
@@ -303,10 +308,12 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         label = f"{spec.name} @ {tuner.bucket_key(bucket)}"
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
         rule = stop.for_study(spec, bucket, space)  # (the local rule: bound once a study)
+        neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
+        if again and not tuner.revisit(study, spec, bucket, space, storage, neighbours, limit):
+            continue  # nothing new from its neighbours (or not run)
         if tuner.budget_taken(study, limit, rule):
             continue  # taken by other workers (or a finished earlier run): build no inputs
-        if plan.sampler != "grid":
-            neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
+        if plan.sampler != "grid" and not again:
             tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
         t0 = time.monotonic()
         for attempt in range(1, OOM_RETRIES + 1):
@@ -331,7 +338,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             log(f"{label}: out of GPU memory building its inputs (try {attempt} of "
                 f"{OOM_RETRIES}); trying again in {OOM_WAIT_S:g} s")  # fmt: skip
             time.sleep(OOM_WAIT_S)
-        evaluate = _guarded(raw)
+        evaluate = _guarded(raw, lambda line, label=label: log(f"{label}: {line}"))
         setup = time.monotonic() - t0
         ran = []
         try:
@@ -348,6 +355,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
                 on_trial=lambda s, ran=ran: ran.append(1),
                 stop=rule,
             )
+        except tuner.TrialLost as exc:
+            log(f"{label}: a trial lost (queued again), this worker stops: {exc}")
+            return EXIT_MEMORY
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
@@ -368,6 +378,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             _confirm_here(
                 plan, spec, bucket, study, storage, evaluate, limit, rule, me, deadline, log
             )
+        except tuner.TrialLost as exc:
+            log(f"{label}: out of GPU memory while re-timing, this worker stops: {exc}")
+            return EXIT_MEMORY
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault while re-timing, this worker stops: {exc}")
             return EXIT_FAULT
@@ -406,7 +419,10 @@ def _confirm_here(
         return
     if tuner.stored_confirmation(spec, bucket, storage, stop) is not None:
         return
-    key = f"{limit} trials, patience {stop.patience}, min gain {stop.min_gain}"
+    # (trials the second pass added after a confirmation call for a claim of their own; the
+    # trials that count no longer change once the budget is taken, whatever still runs)
+    held = len(tuner.counted(study.get_trials(deepcopy=False)))
+    key = f"{limit} trials, patience {stop.patience}, min gain {stop.min_gain}, {held} held"
     if not tuner.claim_confirmation(study, me, key):
         return
     t0 = time.monotonic()
@@ -431,14 +447,32 @@ _STICKY = (
 )
 
 
-def _guarded(evaluate):
+def _guarded(evaluate, log: Callable[[str], None] = lambda line: None):
+    """``evaluate`` with the worker's two kinds of environment failure told apart from a
+    config's: a CUDA error that breaks the context raises ``tuner.WorkerFault``; CUDA out of
+    memory (the compile pool's processes or another job holding the GPU's memory: the config
+    is not at fault) frees this process's cache, waits OOM_WAIT_S and runs the trial again,
+    OOM_RETRIES tries, then raises ``tuner.TrialLost`` (the trial counts as none, its point is
+    queued again, and the worker exits for a fresh one)."""
+    from kvgen.tune import tuner
+
     def run(meta):
-        try:
-            return evaluate(meta)
-        except Exception as exc:
-            if _sticky(exc):
-                raise _fault(exc) from exc
-            raise
+        for attempt in range(1, OOM_RETRIES + 1):
+            try:
+                return evaluate(meta)
+            except Exception as exc:
+                if _sticky(exc):
+                    raise _fault(exc) from exc
+                if not _out_of_memory(exc):
+                    raise
+                why = f"{type(exc).__name__}: {exc}"[:200]
+            # (past the except block: the exception and the tensors its frames held are gone)
+            _release_memory()
+            if attempt == OOM_RETRIES:
+                raise tuner.TrialLost(f"out of GPU memory in {OOM_RETRIES} tries: {why}")
+            log(f"out of GPU memory in a trial of {meta} (try {attempt} of {OOM_RETRIES}); "
+                f"trying again in {OOM_WAIT_S:g} s")  # fmt: skip
+            time.sleep(OOM_WAIT_S)
 
     return run
 
@@ -473,5 +507,9 @@ def _wait_for_gpu() -> None:
 
 
 def _release_memory() -> None:
+    """Give this process's cached GPU memory back (after collecting what only cycles hold)."""
     if cuda := _cuda():
+        import gc
+
+        gc.collect()
         cuda.empty_cache()

@@ -22,6 +22,7 @@ and the buckets of other classes compile in their trials anyway.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -153,9 +154,12 @@ _checks: dict[tuple, Callable] = {}  # per pool process: the last variant's chec
 
 # The share of the GPU's memory the pool's processes leave free for the workers: a process
 # builds a problem (its inputs on the GPU: up to ~7.5 GiB for an MLA decode's) only while at
-# least this share is free, waiting up to POOL_MEMORY_WAIT_S for it, and drops what it built
-# if that took the free share below it; the candidates it leaves compile in their trials.
-# (Fifteen processes holding decode problems need more than an 80 GB GPU has.)
+# least this share is free, waiting up to POOL_MEMORY_WAIT_S for it, one process at a time
+# (``_BUILD_LOCK``), and drops what it built if that took the free share below it, or, before
+# each later candidate, once the free share has fallen below it (a worker's trial needs the
+# memory: a decode's two timed batches are 2 GiB each); the candidates it leaves compile in
+# their trials. (Fifteen processes holding decode problems need more than an 80 GB GPU has;
+# eight of them once held 61 GiB of an 80 GB H100 while the worker's trials ran out of it.)
 POOL_RESERVE = 0.25
 POOL_MEMORY_WAIT_S = 30.0
 
@@ -183,6 +187,9 @@ def _wait_for_room(reserve: float, wait_s: float, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+_BUILD_LOCK = None  # a pool's processes build their problems one at a time (``precompile``)
+
+
 def _drop_checks() -> None:
     """Forget the process's problem and give its GPU memory back."""
     _checks.clear()
@@ -194,7 +201,7 @@ def _drop_checks() -> None:
         torch.cuda.empty_cache()
 
 
-def _one_thread(no_launch: bool = False) -> None:
+def _one_thread(no_launch: bool = False, build_lock=None) -> None:
     """Many compile processes at once: one CPU thread each for torch (the reference checks),
     or their thread pools oversubscribe the cores and everything crawls; kvgen's warnings
     off (the trials' problems give the same in the worker); with ``no_launch``
@@ -205,6 +212,9 @@ def _one_thread(no_launch: bool = False) -> None:
     import os
 
     import torch
+
+    global _BUILD_LOCK
+    _BUILD_LOCK = build_lock
 
     from kvgen.tune.problems import drop_ptx_dumps
 
@@ -226,13 +236,14 @@ def _check_for(task: Task, checker: str) -> Callable:
     if key not in _checks:
         if _checks:
             _drop_checks()
-        _wait_for_room(POOL_RESERVE, POOL_MEMORY_WAIT_S)
-        module, _, attr = checker.partition(":")
-        _checks[key] = getattr(importlib.import_module(module), attr)(task.spec, task.bucket)
-        if (share := _free_share()) is not None and share < POOL_RESERVE:
-            _drop_checks()
-            raise NoRoom(f"building it left {share:.0%} of the GPU's memory free, under the "
-                         f"pool's {POOL_RESERVE:.0%}")  # fmt: skip
+        with _BUILD_LOCK if _BUILD_LOCK is not None else contextlib.nullcontext():
+            _wait_for_room(POOL_RESERVE, POOL_MEMORY_WAIT_S)
+            module, _, attr = checker.partition(":")
+            _checks[key] = getattr(importlib.import_module(module), attr)(task.spec, task.bucket)
+            if (share := _free_share()) is not None and share < POOL_RESERVE:
+                _drop_checks()
+                raise NoRoom(f"building it left {share:.0%} of the GPU's memory free, under "
+                             f"the pool's {POOL_RESERVE:.0%}")  # fmt: skip
     return _checks[key]
 
 
@@ -267,10 +278,17 @@ def _run(
     except Exception as exc:  # (out of memory, say): the trials will build it and say so
         why = f"building the problem: {type(exc).__name__}: {exc}"[:200]
         return task.ring, {json.dumps(m, sort_keys=True): why for m in task.metas}, 0.0
-    for meta in task.metas:
+    for i, meta in enumerate(task.metas):
         if stop is not None and time.time() >= stop:
             break
         name = json.dumps(meta, sort_keys=True)
+        # (the first candidate's room was seen right after building)
+        if i and (share := _free_share()) is not None and share < POOL_RESERVE:
+            _drop_checks()  # a worker needs the memory: the rest compile in their trials
+            why = (f"building the problem: {NoRoom.__name__}: {share:.0%} of the GPU's memory "
+                   f"free, under the pool's {POOL_RESERVE:.0%}: dropped")  # fmt: skip
+            out |= {json.dumps(m, sort_keys=True): why for m in task.metas[i:]}
+            break
         try:
             out[name] = "ok" if check(meta) else "wrong result"
         except Exception as exc:  # compile errors are the tuner's to record, not ours
@@ -319,7 +337,8 @@ def precompile(
     busy: dict[str, list[float]] = {}  # variant: [process seconds, candidates]
     passed = 0  # candidates skipped: their variant's studies were done
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs, initializer=_one_thread, initargs=(no_launch,)) as pool:
+    lock = ctx.Lock()
+    with ctx.Pool(jobs, initializer=_one_thread, initargs=(no_launch, lock)) as pool:
         work = [(t, stop, checker, finished) for t in tasks]
         done = _results(pool.imap(_run, work), cancel)  # (cancelled: fewer than the tasks)
         for task, (ring, part, seconds) in zip(tasks, done, strict=False):

@@ -197,10 +197,12 @@ class NeighbourhoodSampler(optuna.samplers.BaseSampler):
             (t for t in trials if t.state == optuna.trial.TrialState.COMPLETE and t.params),
             key=lambda t: (t.value, t.number),
         )
-        dead = {
+        dead = {  # (a surplus trial's point was not run in it: not failed)
             _point_key(t.params)
             for t in trials
-            if t.state == optuna.trial.TrialState.FAIL and t.params
+            if t.state == optuna.trial.TrialState.FAIL
+            and t.params
+            and not t.user_attrs.get(_SURPLUS)
         }
         for t in timed:
             if set(t.params) != set(self._values):
@@ -334,6 +336,10 @@ _FINISHED = (
 _SURPLUS = "surplus"
 # A trial whose point breaks a constraint: failed at once, never compiled or timed.
 _SKIPPED = "skipped"
+# A trial lost to its environment (``TrialLost``): surplus, with the reason; the trial that
+# runs its point again holds the lost one's number under _RETRY.
+_LOST = "lost"
+_RETRY = "retry_of"
 
 
 def study_name(spec, bucket: dict[str, int]) -> str:
@@ -396,6 +402,9 @@ class StopRule:
     def met(self, trials) -> bool:
         if self.patience <= 0:
             return False
+        waiting = optuna.trial.TrialState.WAITING
+        if any(t.state == waiting for t in counted(trials)):
+            return False  # a queued point (a start point, a neighbour's best) always runs
         done = sorted(
             (t for t in finished(trials) if not t.user_attrs.get(_SKIPPED)),
             key=lambda t: t.number,
@@ -437,8 +446,12 @@ def _beyond_budget(study: optuna.Study, number: int, limit: int, stop: StopRule)
     before it, or the trials before it ended the study by ``stop``. A trial below it not yet
     marked surplus counts, which errs towards surplus only where that trial is itself past the
     budget (then so is this one)."""
-    before = [t for t in study.get_trials(deepcopy=False) if t.number < number]
-    return len(counted(before)) >= limit or stop.met(before)
+    trials = study.get_trials(deepcopy=False)
+    before = [t for t in trials if t.number < number]
+    if len(counted(before)) >= limit:
+        return True
+    queued = any(t.number == number and t.system_attrs.get("fixed_params") for t in trials)
+    return not queued and stop.met(before)  # (a queued point always runs, ``StopRule.met``)
 
 
 def load_study(spec, bucket: dict[str, int], storage) -> optuna.Study | None:
@@ -510,6 +523,13 @@ class WorkerFault(Exception):
     """The worker cannot go on (its GPU context is broken): the trial fails, the worker exits."""
 
 
+class TrialLost(WorkerFault):
+    """The trial could not run for a reason that is not its config's: its GPU's memory was
+    taken (by the compile pool's processes or another job) through every wait. The trial
+    counts as none (surplus), its point is queued again as the study's next trial, and the
+    worker exits for a fresh one."""
+
+
 def work_on_study(
     study: optuna.Study,
     spec,
@@ -556,6 +576,11 @@ def work_on_study(
             t_us = evaluate(meta)
         except TrialFailed as exc:
             trial.set_user_attr("failure", str(exc))
+            raise
+        except TrialLost as exc:
+            trial.set_user_attr(_SURPLUS, True)
+            trial.set_user_attr(_LOST, str(exc)[:500])
+            study.enqueue_trial(meta, user_attrs={_RETRY: trial.number})
             raise
         except WorkerFault as exc:
             trial.set_user_attr("failure", f"worker fault: {exc}"[:500])
@@ -635,7 +660,41 @@ def run_study(
     return summarize(spec, bucket, study, default, stop)
 
 
-WARM_START = 2  # configs a fresh study takes from its nearest tuned buckets
+WARM_START = 2  # configs a study takes from its nearest tuned buckets (at its start, and again)
+
+
+def nearest_feasible(
+    meta: dict[str, Any], space: Space, spec, bucket: dict[str, int]
+) -> dict[str, Any] | None:
+    """``meta`` itself where it breaks none of ``bucket``'s constraints, else the feasible point
+    of ``bucket`` that differs from it in the fewest parameters, then by the fewest steps along
+    them (another bucket's best with a head tile too tall for this one's rows takes the
+    tallest that fits and keeps the rest); None where ``meta`` is not of ``space``."""
+    if not space.allows(meta):
+        return None
+    if not space.violations(spec, meta, bucket):
+        return dict(meta)
+    index = {k: {v: i for i, v in enumerate(vs)} for k, vs in space.params.items()}
+
+    def distance(q):
+        moved = [k for k in q if q[k] != meta[k]]
+        return len(moved), sum(abs(index[k][q[k]] - index[k][meta[k]]) for k in moved)
+
+    ranked = sorted(space.feasible(spec, bucket), key=distance)
+    return next((q for q in ranked if not space.violations(spec, q, bucket)), None)
+
+
+def _neighbour_bests(spec, bucket, space, storage, neighbours):
+    """``(other bucket, its best config made to fit this bucket)`` for the ``neighbours``
+    buckets' studies that have a result, nearest bucket first."""
+    for other in sorted(neighbours, key=lambda b: configs.bucket_distance(bucket, b)):
+        if other == bucket:
+            continue
+        result = load_result(spec, other, storage)
+        meta = result.meta if result is not None else None
+        fit = nearest_feasible(meta, space, spec, bucket) if meta is not None else None
+        if fit is not None:
+            yield other, fit
 
 
 def warm_start(
@@ -650,28 +709,45 @@ def warm_start(
 ) -> list[dict[str, Any]]:
     """Enqueue, in a study no trial of which has started, the best configs of the nearest
     ``neighbours`` (other buckets of the same variant) whose studies have a result, nearest
-    first, ``most`` at most: a bucket's best is usually its neighbour's or close to it. Skipped:
-    configs already in the study, those that break this bucket's constraints, and any past the
-    budget. Returns the configs enqueued."""
+    first, ``most`` at most: a bucket's best is usually its neighbour's or close to it. A best
+    that breaks this bucket's constraints comes as its ``nearest_feasible`` point. Skipped:
+    configs already in the study, and any past the budget. Returns the configs enqueued."""
     trials = study.get_trials(deepcopy=False)
     if any(t.state != optuna.trial.TrialState.WAITING for t in counted(trials)):
         return []  # started (or resumed): the sampler has the study's own results
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most)
+
+
+def revisit(
+    study: optuna.Study,
+    spec,
+    bucket: dict[str, int],
+    space: Space,
+    storage,
+    neighbours,
+    limit: int,
+    most: int = WARM_START,
+) -> list[dict[str, Any]]:
+    """``warm_start`` for a study that has run: enqueue the nearest ``neighbours``' best configs
+    (made to fit) that it has not tried, ``most`` at most, within its budget. The local search
+    runs a variant's studies in order, so the first ones ran before any neighbour had a best:
+    the first study of the portable MXFP4 MLA decode (16 rows) ended at the template default,
+    its neighbours all slower, while the 32-row study's best, three steps away, is 25 % faster
+    there. A queued point always runs (``StopRule.met``); one that beats the study's best makes
+    the local search go on from it. Returns the configs enqueued."""
+    if not finished(study.get_trials(deepcopy=False)):
+        return []  # not run yet: the first pass's warm start is the study's
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most)
+
+
+def _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most):
+    trials = study.get_trials(deepcopy=False)
     have = [t.params or t.system_attrs.get("fixed_params") for t in trials]
     queued = []
-    for other in sorted(neighbours, key=lambda b: configs.bucket_distance(bucket, b)):
+    for other, meta in _neighbour_bests(spec, bucket, space, storage, neighbours):
         if len(queued) >= most or len(counted(trials)) + len(queued) >= limit:
             break
-        if other == bucket:
-            continue
-        result = load_result(spec, other, storage)
-        meta = result.meta if result is not None else None
-        if (
-            meta is None
-            or meta in have
-            or meta in queued
-            or not space.allows(meta)
-            or space.violations(spec, meta, bucket)
-        ):
+        if meta in have or meta in queued:
             continue
         study.enqueue_trial(meta, user_attrs={"warm_start": bucket_key(other)},
                             skip_if_exists=True)  # fmt: skip
@@ -886,8 +962,8 @@ def _retime(
             if i in times:
                 try:
                     times[i].append(timer(candidates[i]))
-                except WorkerFault:  # the GPU context is broken: the caller stops
-                    raise
+                except WorkerFault:  # the GPU context is broken (or its memory taken, TrialLost):
+                    raise  # the caller stops
                 except Exception:  # wrong now, or a crash: dropped, as a trial would be
                     del times[i]
 
