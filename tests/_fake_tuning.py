@@ -10,7 +10,10 @@ writes 4 TiB past its tensor instead, a real illegal address that breaks the CUD
 KVGEN_FAKE_BUILD_ERROR (a bucket's num_tokens: building its inputs raises a Python error, in
 every process), KVGEN_FAKE_BUILD_OOM ("T:N": the first N builds of the inputs of bucket
 num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN_FAKE_TRIAL_OOM
-("T:N": likewise for the first N evaluations at bucket num_tokens=T), KVGEN_FAKE_WORKERS
+("T:N": likewise for the first N evaluations at bucket num_tokens=T), KVGEN_FAKE_TRAP ("T:META",
+META a config's JSON: at bucket num_tokens=T the cost is 1 at META and otherwise grows with
+the parameters that differ from the bucket's default, a local optimum that the local search
+does not leave), KVGEN_FAKE_WORKERS
 (a count: a worker's first evaluation waits, up to a minute, until that many worker processes
 have reached theirs, so that a test of several workers never sees one worker do
 all the trials while another is still starting).
@@ -120,6 +123,10 @@ def evaluator(spec, bucket):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
 
     trial_oom = os.environ.get("KVGEN_FAKE_TRIAL_OOM")
+    trap = os.environ.get("KVGEN_FAKE_TRAP", "")
+    trapped = None
+    if trap and str(bucket.get("num_tokens")) == trap.split(":", 1)[0]:
+        trapped = json.loads(trap.split(":", 1)[1]), spec.default_meta(**bucket)
 
     def evaluate(meta):
         global _started
@@ -159,6 +166,9 @@ def evaluator(spec, bucket):
         t0 = time.perf_counter()
         time.sleep(sleep)
         seconds["timing"] += time.perf_counter() - t0
+        if trapped is not None:
+            best, default = trapped
+            return 1.0 if meta == best else 10.0 + sum(meta[k] != default[k] for k in meta)
         return cost(meta)
 
     seconds = {"timing": 0.0}  # as the GPU evaluator's: where the wall time went

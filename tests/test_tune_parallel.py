@@ -35,8 +35,10 @@ BUCKETS = [{"num_tokens": 16}, {"num_tokens": 65536}]
 FAKE = "_fake_tuning:evaluator"
 
 
-def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom="", trial_oom=""):
+def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom="", trial_oom="",
+         trap=""):  # fmt: skip
     return {
+        "KVGEN_FAKE_TRAP": trap,
         "KVGEN_FAKE_BUILD_OOM": build_oom,
         "KVGEN_FAKE_TRIAL_OOM": trial_oom,
         "KVGEN_TUNE_OOM_WAIT_S": "0.05",
@@ -320,6 +322,33 @@ def test_no_gpu_memory_for_a_trial_is_waited_out_and_fails_no_config(tmp_path, o
         assert len(trials) == 10
         assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
         assert len({json.dumps(t.params, sort_keys=True) for t in trials}) == 10
+
+
+def test_the_local_search_s_second_pass_takes_a_later_neighbour_s_best(tmp_path):
+    """The first bucket's study ends at a local optimum (the default) before the second bucket
+    has a result; once the second study has found its best, the worker's second pass runs that
+    config in the first study, where it is best of all, and the walk goes on around it."""
+    other = min(SPACE.feasible(SPEC, BUCKETS[1]), key=fake.cost)
+    default = SPEC.default_meta(**BUCKETS[0])
+    assert sum(other[k] != default[k] for k in other) >= 2  # not a neighbour of the default
+    log = tmp_path / "evals.log"
+    stop = tuner.StopRule(patience=3, local=True)
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "local", 40, log, workers=1,
+                               stop=stop, trap=f"16:{json.dumps(other)}")  # fmt: skip
+    assert [e.returncode for e in exits] == [0], lines
+    evals = _evaluations(log)
+    name = f"{SPEC.name}@16"
+    key = json.dumps(other, sort_keys=True)
+    at = next(i for i, (_, s, p) in enumerate(evals) if s == name and p == key)
+    assert any(s == f"{SPEC.name}@65536" for _, s, _ in evals[:at])  # after the other study
+    first = _study(store, BUCKETS[0])
+    trial = next(t for t in first.trials if t.params == other)
+    assert trial.user_attrs.get("warm_start") == "num_tokens=65536" and trial.value == 1.0
+    near = tuner.NeighbourhoodSampler(SPACE, SPACE.feasible(SPEC, BUCKETS[0])).neighbours(other)
+    tried = {json.dumps(t.params, sort_keys=True) for t in first.trials if t.params}
+    assert {json.dumps(q, sort_keys=True) for q in near} <= tried  # the walk went on
+    bound = stop.for_study(SPEC, BUCKETS[0], SPACE)
+    assert tuner.summarize(SPEC, BUCKETS[0], first, default, bound).meta == other
 
 
 def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):
