@@ -112,7 +112,9 @@ def tune_cmd(
     study's trials, the worker that ran them times its best few configs again in alternated
     rounds (--confirm), so that one lucky timing does not pick the config. A study starts from the
     template's default, the config the tuned JSON holds, and the best configs of its nearest
-    already-tuned buckets, and ends early once more trials stop paying (--patience).
+    already-tuned buckets, and ends early once more trials stop paying (--patience); with the
+    local search each study then tries the bests its neighbouring buckets found after it ran.
+    A trial that runs out of GPU memory is tried again, then left uncounted for a fresh worker.
     """
     import torch
 
