@@ -338,6 +338,13 @@ def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
         )
         _debug_once(spec, size, "tuned entry outside the space, template defaults", defaults)
         return defaults
+    # An entry that breaks one of the space's constraints (a hand-edited file, or one tuned
+    # before the constraint) is a config the kernel may get wrong or cannot launch.
+    if broken := space.violations(spec, meta):
+        _once(spec.name + "!" + key, "kvgen: tuned entry %s [%s] = %s breaks %s of %s; using "
+              "the template's defaults", name, key, meta, broken, spec.template)  # fmt: skip
+        _debug_once(spec, size, f"[{key}] breaks {broken}, template defaults", defaults)
+        return defaults
     # Another bucket's entry may break a call constraint at this size (e.g. more pages in
     # flight than the kernel for these rows takes): such an entry is not used here.
     here = {k: v for k, v in size.items() if k in space.buckets}

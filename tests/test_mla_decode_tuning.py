@@ -25,3 +25,21 @@ def test_the_pages_read_hold_what_the_whole_cache_holds_for_those_sequences():
     part = mla_decode(q, cache[pages], compact, sl, 64)
     for a, b in zip(whole, part, strict=True):
         assert torch.equal(a, b)
+
+
+def test_16_key_tiles_of_4_bit_codes_are_out_of_the_portable_decodes_spaces():
+    """The portable decodes' spaces leave out 16-key tiles of 4-bit codes under 64-row head
+    tiles (wrong results on sm90 in every tuning trial), and only those."""
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.families.mla_decode import MLADecodeFP8Spec, MLADecodeMXFP4Spec, MLADecodeSpec
+    from kvgen.space import load_space
+
+    def small_tiles(spec):
+        pts = load_space(spec.template).feasible(spec)
+        return {(m["block_h"], m["block_n"]) for m in pts if m["block_n"] == 16}
+
+    assert small_tiles(MLADecodeMXFP4Spec(576, 512, "bf16")) == {(64, 16)}
+    for other in (MLADecodeSpec(576, 512, "bf16"), MLADecodeFP8Spec(576, 512, "bf16")):
+        assert small_tiles(other) == {(16, 16), (32, 16), (64, 16)}
+    assert small_tiles(GQADecodeSpec(kv="int4", group=32)) == set()
+    assert small_tiles(GQADecodeSpec(kv="int8")) == {(16, 16), (32, 16), (64, 16)}

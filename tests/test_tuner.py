@@ -646,7 +646,7 @@ def test_files_are_read_once_per_process(override, monkeypatch):
 
 def test_packaged_configs_are_used_below_the_override(override, monkeypatch, tmp_path):
     packaged = tmp_path / "packaged"
-    _config(packaged, meta={"rows_per_program": 16, "num_warps": 1, "num_stages": 1})
+    _config(packaged, meta={"rows_per_program": 16, "num_warps": 2, "num_stages": 1})
     configs.reset()
     assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 16
     _config(override)  # the override folder wins
@@ -654,6 +654,19 @@ def test_packaged_configs_are_used_below_the_override(override, monkeypatch, tmp
     assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
     monkeypatch.setattr(configs, "use_tuned", False)  # KVGEN_DISABLE_TUNED=1
     assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
+
+
+def test_an_entry_that_breaks_a_constraint_of_the_space_is_not_used(override, caplog):
+    """A tuned entry whose config breaks one of the space's constraints (a hand-edited file,
+    or one tuned before the constraint) gives the template's defaults, with a warning that
+    names the constraint."""
+    broken = {"rows_per_program": 16, "num_warps": 1, "num_stages": 1}
+    assert SPACE.allows(broken) and SPACE.violations(SPEC, broken) == ["values_per_thread"]
+    _config(override, meta=broken)
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        got = configs.meta_params(SPEC, num_tokens=65536)
+    assert got == SPEC.default_meta(num_tokens=65536)
+    assert any("values_per_thread" in r.getMessage() for r in caplog.records)
 
 
 def test_interpreter_target_reads_the_gpu_twins_tuned_configs(override):

@@ -153,6 +153,7 @@ class GQADecodeSpec(VariantSpec):
             "head_dim_v": self.head_size_v,  # (the combine kernel's name for it)
             # the combine takes every sequence in ``splits`` pieces and masks V's padding columns
             "even_pieces": True,
+            "nibble_codes": int(self.kv == "int4"),  # (the space's nibble_tiles)
         }
         if self.kv not in ("auto", "int4"):  # the cache's Triton dtype, from its format
             out["tl_cache_dtype"] = formats.get(self.kv).constants["tl_cache_dtype"]

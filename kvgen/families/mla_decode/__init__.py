@@ -105,6 +105,7 @@ class MLADecodeSpec(VariantSpec):
             "nchunk": 1,
             "gl_dtype": _dtypes.SOURCE[self.dtype],
             "kv_format": "auto",  # the cache holds the queries' dtype
+            "nibble_codes": 0,  # 1: 4-bit codes, two a byte (the space's nibble_tiles)
             # bytes of a cache row the wgmma loader stages before dequantizing (0: none, the
             # tiles are copied as they are)
             "staged_row_bytes": 0,
@@ -228,6 +229,7 @@ class MLADecodeMXFP4Spec(MLADecodeSpec):
         row_bytes = mxfp4_rope_row_bytes(self.head_dim_v, self.group, self.rope)
         out = super().derived() | {
             "kv_format": "mxfp4",
+            "nibble_codes": 1,
             "chunk": 128,
             "nchunk": chunks,
             "mxfp4_group": self.group,
