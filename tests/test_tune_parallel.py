@@ -343,7 +343,7 @@ def test_the_local_search_s_second_pass_takes_a_later_neighbour_s_best(tmp_path)
     assert any(s == f"{SPEC.name}@65536" for _, s, _ in evals[:at])  # after the other study
     first = _study(store, BUCKETS[0])
     trial = next(t for t in first.trials if t.params == other)
-    assert trial.user_attrs.get("warm_start") == "num_tokens=65536" and trial.value == 1.0
+    assert trial.user_attrs.get("revisit") == "num_tokens=65536" and trial.value == 1.0
     near = tuner.NeighbourhoodSampler(SPACE, SPACE.feasible(SPEC, BUCKETS[0])).neighbours(other)
     tried = {json.dumps(t.params, sort_keys=True) for t in first.trials if t.params}
     assert {json.dumps(q, sort_keys=True) for q in near} <= tried  # the walk went on

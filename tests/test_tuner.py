@@ -411,6 +411,15 @@ def test_progress_line_counts_studies_names_the_current_one_and_estimates_time_l
     assert f"about {2 * span.total_seconds() / 2 / 60:.1f} min left" in line
     progress.poll()
     assert len(lines) == 1 and lines[0].startswith("progress: 1/3")
+    assert "second pass" not in line
+    # every study done while the workers run: the local search's second pass is under way
+    for st in studies[1:]:
+        tuner.run_study(st.spec, st.bucket, SPACE, fake_time, storage=storage, sampler="local",
+                        n_trials=5)  # fmt: skip
+    line = progress.line()
+    assert line.startswith("progress: 3/3 studies done") and "the second pass" in line
+    tpe = Progress(studies, storage, Options("sm90", trials=5, sampler="tpe"), 2, print, 0)
+    assert "second pass" not in tpe.line()  # (no second pass with TPE)
 
 
 def test_progress_estimate_takes_recorded_wall_times_and_the_slowest_family_for_new_ones(

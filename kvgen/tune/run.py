@@ -237,6 +237,7 @@ class Progress:
         self.start = time.monotonic()
         self.last = self.start
         self.priors = recorded_costs(studies, opts.arch)
+        self.second_pass = opts.sampler == "local"  # (the workers' ``tuner.revisit``)
 
     def poll(self) -> None:
         now = time.monotonic()
@@ -280,6 +281,8 @@ class Progress:
         if left:
             st = left[0][0]
             text += f"; now {st.spec.name} @ {tuner.bucket_key(st.bucket)}"
+        if not left and self.second_pass:
+            text += "; the second pass: each study runs the bests its neighbours found later"
         if left and (seconds or all(prior is not None for *_, prior in left)):
             mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
             slowest = max(mean.values(), default=0.0)

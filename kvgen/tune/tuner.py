@@ -715,7 +715,8 @@ def warm_start(
     trials = study.get_trials(deepcopy=False)
     if any(t.state != optuna.trial.TrialState.WAITING for t in counted(trials)):
         return []  # started (or resumed): the sampler has the study's own results
-    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most)
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most,
+                          "warm_start")  # fmt: skip
 
 
 def revisit(
@@ -737,10 +738,16 @@ def revisit(
     the local search go on from it. Returns the configs enqueued."""
     if not finished(study.get_trials(deepcopy=False)):
         return []  # not run yet: the first pass's warm start is the study's
-    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most)
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most,
+                          REVISIT)  # fmt: skip
 
 
-def _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most):
+REVISIT = "revisit"  # the user attribute of a trial the second pass queued: the bucket's key
+
+
+def _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most, why):
+    """Queue the nearest ``neighbours``' bests (made to fit) that ``study`` does not hold,
+    ``most`` at most and within ``limit`` trials, each trial marked ``why`` = the bucket."""
     trials = study.get_trials(deepcopy=False)
     have = [t.params or t.system_attrs.get("fixed_params") for t in trials]
     queued = []
@@ -749,8 +756,7 @@ def _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most)
             break
         if meta in have or meta in queued:
             continue
-        study.enqueue_trial(meta, user_attrs={"warm_start": bucket_key(other)},
-                            skip_if_exists=True)  # fmt: skip
+        study.enqueue_trial(meta, user_attrs={why: bucket_key(other)}, skip_if_exists=True)
         queued.append(meta)
     return queued
 
