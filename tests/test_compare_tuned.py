@@ -12,6 +12,7 @@ import _fake_tuning as fake  # noqa: E402
 from _scripts import benchmark_script  # noqa: E402
 
 from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
+from kvgen.space import load_space  # noqa: E402
 from kvgen.tune import tuner  # noqa: E402
 
 compare_tuned = benchmark_script("compare_tuned")
@@ -55,3 +56,28 @@ def test_nothing_in_common_is_an_error(tmp_path, monkeypatch):
     assert compare_tuned.main([str(a), str(tmp_path / "empty")]) == 1
     with pytest.raises(SystemExit):
         compare_tuned.main([str(a), str(a), "--rounds", "0"])
+
+
+def test_drop_studies_deletes_the_studies_named_and_a_resumed_run_does_them_again(tmp_path):
+    """benchmarks/drop_studies.py: the studies whose names hold a pattern go (trials and all),
+    the others stay, and a run on the same storage runs the dropped ones afresh."""
+    drop_studies = benchmark_script("drop_studies")
+    journal = str(tmp_path / "tune.journal")
+    store = tuner.storage_from(journal, Path(journal))
+    space = load_space(SPEC.template)
+    for n in (16, 4096):
+        tuner.run_study(SPEC, {"num_tokens": n}, space, fake.cost, storage=store,
+                        sampler="local", n_trials=4)  # fmt: skip
+    assert drop_studies.drop(journal, ["@num_tokens=16"], dry_run=True) == [
+        (f"{SPEC.name}@num_tokens=16", 4)
+    ]
+    assert tuner.load_study(SPEC, {"num_tokens": 16}, store) is not None  # (a dry run)
+    gone = drop_studies.drop(journal, ["@num_tokens=16"])
+    assert gone == [(f"{SPEC.name}@num_tokens=16", 4)]
+    store = tuner.storage_from(journal, Path(journal))
+    assert tuner.load_study(SPEC, {"num_tokens": 16}, store) is None
+    assert len(tuner.load_study(SPEC, {"num_tokens": 4096}, store).trials) == 4
+    calls = []
+    tuner.run_study(SPEC, {"num_tokens": 16}, space, lambda m: calls.append(m) or fake.cost(m),
+                    storage=store, sampler="local", n_trials=4)  # fmt: skip
+    assert len(calls) == 4
