@@ -10,7 +10,8 @@ writes 4 TiB past its tensor instead, a real illegal address that breaks the CUD
 KVGEN_FAKE_BUILD_ERROR (a bucket's num_tokens: building its inputs raises a Python error, in
 every process), KVGEN_FAKE_BUILD_OOM ("T:N": the first N builds of the inputs of bucket
 num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN_FAKE_TRIAL_OOM
-("T:N": likewise for the first N evaluations at bucket num_tokens=T), KVGEN_FAKE_TRAP ("T:META",
+("T:N": likewise for the first N evaluations at bucket num_tokens=T), KVGEN_FAKE_OOM_CONFIG (a
+config's JSON: every evaluation of it raises that error), KVGEN_FAKE_TRAP ("T:META",
 META a config's JSON: at bucket num_tokens=T the cost is 1 at META and otherwise grows with
 the parameters that differ from the bucket's default, a local optimum that the local search
 does not leave), KVGEN_FAKE_WORKERS
@@ -123,6 +124,7 @@ def evaluator(spec, bucket):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
 
     trial_oom = os.environ.get("KVGEN_FAKE_TRIAL_OOM")
+    oom_config = json.loads(os.environ.get("KVGEN_FAKE_OOM_CONFIG") or "null")
     trap = os.environ.get("KVGEN_FAKE_TRAP", "")
     trapped = None
     if trap and str(bucket.get("num_tokens")) == trap.split(":", 1)[0]:
@@ -133,6 +135,10 @@ def evaluator(spec, bucket):
         if workers and log and not _started:
             _started = True
             _wait_for_workers(log, workers)
+        if meta == oom_config:
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 90.00 GiB.")
         if trial_oom and log and str(bucket.get("num_tokens")) == trial_oom.split(":")[0]:
             with open(f"{log}.trial-oom", "a+") as f:  # evaluations that ran out, all processes
                 fcntl.flock(f, fcntl.LOCK_EX)

@@ -36,8 +36,9 @@ FAKE = "_fake_tuning:evaluator"
 
 
 def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom="", trial_oom="",
-         trap=""):  # fmt: skip
+         trap="", oom_config=""):  # fmt: skip
     return {
+        "KVGEN_FAKE_OOM_CONFIG": oom_config,
         "KVGEN_FAKE_TRAP": trap,
         "KVGEN_FAKE_BUILD_OOM": build_oom,
         "KVGEN_FAKE_TRIAL_OOM": trial_oom,
@@ -289,9 +290,9 @@ def test_no_gpu_memory_for_a_trial_is_waited_out_and_fails_no_config(tmp_path, o
     """CUDA out of memory in a trial (the compile pool's processes holding the GPU's memory:
     the config is not at fault) is the environment's, not the config's: the worker frees its
     cache, waits and runs the trial again (OOM_RETRIES tries). After as many failures the trial
-    is lost: it counts as none (surplus, marked lost), its point is queued again, and the
-    worker exits for a fresh one, which runs that point as the study's next trial. No trial
-    fails, and every study runs its budget."""
+    is lost: it counts as none (surplus, marked lost) and its point is queued again, which the
+    worker runs as the study's next trial. No trial fails, no worker dies, and every study
+    runs its budget."""
     log = tmp_path / "evals.log"
     store, exits, lines = _run(str(tmp_path / "tune.journal"), sampler, 10, log, workers=1,
                                trial_oom=f"65536:{ooms}")  # fmt: skip
@@ -303,13 +304,11 @@ def test_no_gpu_memory_for_a_trial_is_waited_out_and_fails_no_config(tmp_path, o
     assert all(e.returncode == 0 for e in exits), lines
     study = _study(store, BUCKETS[1])
     lost = [t for t in study.trials if t.user_attrs.get("lost")]
+    assert [e.deaths for e in exits] == [[]], lines
     if ooms < parallel.OOM_RETRIES:
-        assert [e.deaths for e in exits] == [[]], lines
         assert lost == []
     else:
-        assert [e.deaths for e in exits] == [[parallel.EXIT_MEMORY]], lines
-        assert any("a trial lost (queued again), this worker stops" in line
-                   for line in lines), lines  # fmt: skip
+        assert any("a trial lost, its point queued again" in line for line in lines), lines
         assert len(lost) == 1 and lost[0].params == point
         assert "out of GPU memory in 3 tries" in lost[0].user_attrs["lost"]
         assert lost[0].user_attrs.get("surplus") and lost[0] not in tuner.counted(study.trials)
@@ -322,6 +321,31 @@ def test_no_gpu_memory_for_a_trial_is_waited_out_and_fails_no_config(tmp_path, o
         assert len(trials) == 10
         assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
         assert len({json.dumps(t.params, sort_keys=True) for t in trials}) == 10
+
+
+def test_a_config_that_needs_more_memory_than_the_gpu_has_fails_its_trial(tmp_path):
+    """A config that runs out of GPU memory whatever the other processes hold: its trial is
+    lost once, and its retry, out of memory again, is a failed trial (the config's own need);
+    the study goes on in the same worker and every study ends."""
+    default = SPEC.default_meta(**BUCKETS[1])
+    # (a feasible neighbour of the default in both studies, which the search visits first)
+    near = tuner.NeighbourhoodSampler(SPACE, SPACE.feasible(SPEC, BUCKETS[1])).neighbours(default)
+    hungry = min(near, key=fake.cost)
+    log = tmp_path / "evals.log"
+    store, exits, lines = _run(str(tmp_path / "tune.journal"), "local", 12, log, workers=1,
+                               oom_config=json.dumps(hungry))  # fmt: skip
+    assert [e.returncode for e in exits] == [0], lines
+    assert [e.deaths for e in exits] == [[]], lines
+    for b in BUCKETS:
+        study = _study(store, b)
+        of_it = [t for t in study.trials if t.params == hungry]
+        lost = [t for t in of_it if t.user_attrs.get("lost")]
+        failed = [t for t in tuner.counted(study.trials) if t.params == hungry]
+        assert len(lost) == 1 and len(failed) == 1, (b, of_it)
+        assert failed[0].state == optuna.trial.TrialState.FAIL
+        assert "(a second time)" in failed[0].user_attrs["failure"]
+        assert len(tuner.counted(study.trials)) == 12
+        assert tuner.summarize(SPEC, b, study, default).meta != hungry
 
 
 def test_the_local_search_s_second_pass_takes_a_later_neighbour_s_best(tmp_path):

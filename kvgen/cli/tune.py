@@ -114,7 +114,7 @@ def tune_cmd(
     template's default, the config the tuned JSON holds, and the best configs of its nearest
     already-tuned buckets, and ends early once more trials stop paying (--patience); with the
     local search each study then tries the bests its neighbouring buckets found after it ran.
-    A trial that runs out of GPU memory is tried again, then left uncounted for a fresh worker.
+    A trial that runs out of GPU memory is tried again after waits, then queued once more.
     """
     import torch
 

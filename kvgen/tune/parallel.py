@@ -342,22 +342,25 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         setup = time.monotonic() - t0
         ran = []
         try:
-            tuner.work_on_study(
-                study,
-                spec,
-                bucket,
-                space,
-                evaluate,
-                n_trials=plan.n_trials,
-                sampler=plan.sampler,
-                deadline=deadline,
-                worker=me,
-                on_trial=lambda s, ran=ran: ran.append(1),
-                stop=rule,
-            )
-        except tuner.TrialLost as exc:
-            log(f"{label}: a trial lost (queued again), this worker stops: {exc}")
-            return EXIT_MEMORY
+            while True:
+                try:
+                    tuner.work_on_study(
+                        study,
+                        spec,
+                        bucket,
+                        space,
+                        evaluate,
+                        n_trials=plan.n_trials,
+                        sampler=plan.sampler,
+                        deadline=deadline,
+                        worker=me,
+                        on_trial=lambda s, ran=ran: ran.append(1),
+                        stop=rule,
+                    )
+                    break
+                except tuner.TrialLost as exc:  # (its retry comes next: a point is lost once)
+                    log(f"{label}: a trial lost, its point queued again: {exc}")
+                    _release_memory()
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault, this worker stops: {exc}")
             return EXIT_FAULT
@@ -378,9 +381,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
             _confirm_here(
                 plan, spec, bucket, study, storage, evaluate, limit, rule, me, deadline, log
             )
-        except tuner.TrialLost as exc:
-            log(f"{label}: out of GPU memory while re-timing, this worker stops: {exc}")
-            return EXIT_MEMORY
+        except tuner.TrialLost as exc:  # (the coordinator re-times the study after the workers)
+            log(f"{label}: out of GPU memory while re-timing, left to the coordinator: {exc}")
+            _release_memory()
         except tuner.WorkerFault as exc:
             log(f"{label}: GPU fault while re-timing, this worker stops: {exc}")
             return EXIT_FAULT
@@ -452,8 +455,8 @@ def _guarded(evaluate, log: Callable[[str], None] = lambda line: None):
     config's: a CUDA error that breaks the context raises ``tuner.WorkerFault``; CUDA out of
     memory (the compile pool's processes or another job holding the GPU's memory: the config
     is not at fault) frees this process's cache, waits OOM_WAIT_S and runs the trial again,
-    OOM_RETRIES tries, then raises ``tuner.TrialLost`` (the trial counts as none, its point is
-    queued again, and the worker exits for a fresh one)."""
+    OOM_RETRIES tries, then raises ``tuner.TrialLost`` (the trial counts as none and its point
+    is queued again; the point's retry, out of memory too, fails as its config's)."""
     from kvgen.tune import tuner
 
     def run(meta):

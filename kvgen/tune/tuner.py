@@ -524,10 +524,11 @@ class WorkerFault(Exception):
 
 
 class TrialLost(WorkerFault):
-    """The trial could not run for a reason that is not its config's: its GPU's memory was
+    """The trial could not run for a reason that may not be its config's: its GPU's memory was
     taken (by the compile pool's processes or another job) through every wait. The trial
-    counts as none (surplus), its point is queued again as the study's next trial, and the
-    worker exits for a fresh one."""
+    counts as none (surplus) and its point is queued again as the study's next trial, which
+    the worker runs next. A point lost a second time (its retry) is a failed trial: what it
+    asks for is more than the GPU has."""
 
 
 def work_on_study(
@@ -578,6 +579,10 @@ def work_on_study(
             trial.set_user_attr("failure", str(exc))
             raise
         except TrialLost as exc:
+            if _RETRY in trial.user_attrs:  # lost before, and again: the config's own need
+                why = f"{exc} (a second time)"[:500]
+                trial.set_user_attr("failure", why)
+                raise TrialFailed(why) from exc
             trial.set_user_attr(_SURPLUS, True)
             trial.set_user_attr(_LOST, str(exc)[:500])
             study.enqueue_trial(meta, user_attrs={_RETRY: trial.number})
