@@ -8,8 +8,9 @@ new `kvgen tune --out` folder). For every (variant, bucket) that both tuned, the
 are timed with the tuner's own trial (the family's tuning problem: its inputs, its correctness
 check, CUDA graphs on rotated buffers) in alternated rounds, A B, B A, A B, ...; the row is the
 ratio of B's median to A's. Buckets where both chose the same config are listed with ratio 1
-and not timed. `KVGEN_TUNE_EVALUATOR` (module:function) replaces the GPU timer, as for
-`kvgen tune` (the tests' fake timer).
+and not timed; entries only one folder holds are listed as such (and counted in the
+summary). `KVGEN_TUNE_EVALUATOR` (module:function) replaces the GPU timer, as for `kvgen tune`
+(the tests' fake timer).
 """
 
 from __future__ import annotations
@@ -59,6 +60,25 @@ def pairs(a: Path, b: Path, arch: str, families: list[str] | None = None) -> lis
                     }
                 )
     return out
+
+
+def unpaired(a: Path, b: Path, arch: str, families: list[str] | None = None) -> dict:
+    """``{"a": [...], "b": [...]}``: the ``variant @ bucket`` entries only folder A (or only B)
+    holds, which no row compares (a study with no result on one side, a variant one run did
+    not tune)."""
+    docs_a, docs_b = load(a, arch), load(b, arch)
+
+    def keys(docs):
+        return {
+            f"{variant} @ {key}"
+            for family, doc in docs.items()
+            if not families or family in families
+            for variant, buckets in doc["entries"].items()
+            for key in buckets
+        }
+
+    ka, kb = keys(docs_a), keys(docs_b)
+    return {"a": sorted(ka - kb), "b": sorted(kb - ka)}
 
 
 def evaluator_factory(name: str | None = None):
@@ -136,7 +156,13 @@ def main(argv=None) -> int:
         print(f"no (variant, bucket) is tuned in both {args.a} and {args.b}", file=sys.stderr)
         return 1
     out = compare(rows, evaluator_factory(), args.rounds)
+    alone = unpaired(args.a, args.b, args.arch, families)
+    for side in ("a", "b"):
+        for entry in alone[side]:
+            print(f"only in {side.upper()}: {entry}")
     text = summary(out)
+    if alone["a"] or alone["b"]:
+        text += f"; {len(alone['a'])} only in A, {len(alone['b'])} only in B"
     print(text)
     if args.json:
         args.json.write_text(
@@ -147,6 +173,8 @@ def main(argv=None) -> int:
                     "rounds": args.rounds,
                     "summary": text,
                     "rows": out,
+                    "only_in_a": alone["a"],
+                    "only_in_b": alone["b"],
                 },  # fmt: skip
                 indent=1,
             )

@@ -47,7 +47,12 @@ def test_two_folders_configs_timed_bucket_by_bucket(tmp_path, monkeypatch, capsy
     assert rows["num_tokens=4096"]["ratio"] == pytest.approx(worse)
     assert rows["num_tokens=65536"]["ratio"] == pytest.approx(1 / worse)
     assert doc["summary"].startswith("2/3 buckets with B within 2% of A (1 the same config)")
-    assert "worst B/A" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "worst B/A" in printed
+    # the bucket only B tuned is named, not silently left out
+    assert doc["only_in_a"] == [] and doc["only_in_b"] == [f"{SPEC.name} @ num_tokens=1"]
+    assert f"only in B: {SPEC.name} @ num_tokens=1" in printed
+    assert doc["summary"].endswith("; 0 only in A, 1 only in B")
 
 
 def test_nothing_in_common_is_an_error(tmp_path, monkeypatch):
