@@ -19,7 +19,9 @@
 #                                  options (e.g. a 40-trial TPE baseline: --sampler tpe
 #                                  --patience 0); KVGEN_TUNE_JOURNAL and KVGEN_TUNE_OUT: another
 #                                  journal file and tuned_configs folder (default
-#                                  /tmp/kvgen-tuned), so that such a run keeps its own studies.
+#                                  /tmp/kvgen-tuned), so that such a run keeps its own studies;
+#                                  KVGEN_TUNE_TAG=T names its log and tar tune-T-<day>.log and
+#                                  tuned-T-sm90.tar (two tunes in one call).
 #   scripts/gpu_session.sh tune-start [S] the same cold tune (at most S seconds, default 1200) in
 #                                  a process session of its own (setsid), which runs on past
 #                                  this call while the machine is held, so that one run longer
@@ -98,6 +100,7 @@ rc=0
 # a cold tune's studies and JSON (tune, tune-start)
 journal=${KVGEN_TUNE_JOURNAL:-build/tune/sm90.journal}
 tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
+tag=${KVGEN_TUNE_TAG:+$KVGEN_TUNE_TAG-}  # names a tune's log and tar apart from another's
 case "${1:-tests}" in
   tests)
     # -v: each test's outcome as it ends, so that a call cut short still names its failures;
@@ -145,10 +148,10 @@ case "${1:-tests}" in
     # shellcheck disable=SC2086  # KVGEN_TUNE_ARGS is a list of options
     # (one JSON a family: more files than a device call brings back)
     python3 -P -m kvgen tune --arch sm90 --storage "$journal" --out "$tuned" \
-      --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$day.log" |
+      --timeout "${2:-540}" ${KVGEN_TUNE_ARGS:-} 2>&1 | tee -a "$out/tune-$tag$day.log" |
       grep -E "^(tuning|compiling ahead|progress|workers done|wrote)" || rc=1
-    echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$day.log"
-    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-sm90.tar" sm90
+    echo "this call: $(($(date +%s) - start)) s" | tee -a "$out/tune-$tag$day.log"
+    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-${tag}sm90.tar" sm90
     # the studies come back with the results: put the file in build/tune/ of the next
     # machine's checkout (e.g. a carried folder) to resume there
     cp "$journal" "$out/" 2>/dev/null || true
@@ -165,6 +168,7 @@ case "${1:-tests}" in
       rm -rf "$cache" "$journal" "$tuned"
     fi
     printf '%s\n' "$journal" >"$bg/journal"
+    printf '%s' "$tag" >"$bg/tag"
     printf '%s\n' "$tuned" >"$bg/tuned"
     # shellcheck disable=SC2016  # expanded by the detached shell
     KVGEN_BG=$bg KVGEN_BG_JOURNAL=$journal KVGEN_BG_TUNED=$tuned KVGEN_BG_LIMIT=${2:-1200} \
@@ -191,7 +195,8 @@ case "${1:-tests}" in
         seen=$n
       fi
     done
-    cp "$bg/tune.log" "$out/tune-$day.log"
+    tag=$(cat "$bg/tag" 2>/dev/null || true)
+    cp "$bg/tune.log" "$out/tune-$tag$day.log"
     if [ -f "$bg/rc" ]; then
       tail -n 1 "$bg/tune.log"
       [ "$(cat "$bg/rc")" = 0 ] || rc=1
@@ -199,7 +204,7 @@ case "${1:-tests}" in
       echo "the tune is still running: call $0 tune-wait again (within the machine's idle release)"
     fi
     tuned=$(cat "$bg/tuned")
-    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-sm90.tar" sm90
+    [ -d "$tuned/sm90" ] && tar -C "$tuned" -cf "$out/tuned-${tag}sm90.tar" sm90
     cp "$(cat "$bg/journal")" "$out/" 2>/dev/null || true
     ;;
   compare)
