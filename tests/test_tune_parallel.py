@@ -373,6 +373,12 @@ def test_the_local_search_s_second_pass_takes_a_later_neighbour_s_best(tmp_path)
     assert {json.dumps(q, sort_keys=True) for q in near} <= tried  # the walk went on
     bound = stop.for_study(SPEC, BUCKETS[0], SPACE)
     assert tuner.summarize(SPEC, BUCKETS[0], first, default, bound).meta == other
+    # resumed: both passes find every study done and nothing new to take; no trial runs
+    ran = len(_evaluations(log))
+    _, exits, lines = _run(str(tmp_path / "tune.journal"), "local", 40, log, workers=1,
+                           stop=stop, trap=f"16:{json.dumps(other)}")  # fmt: skip
+    assert [e.returncode for e in exits] == [0], lines
+    assert len(_evaluations(log)) == ran
 
 
 def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):
