@@ -10,7 +10,10 @@ its binary; "compiled" counts the kernels the worker compiled itself, and "compi
 seconds those compiles took, within the checks and the timing (logs that say so). "in all" is
 each study's time in the worker from end to end, "opening" the part before its inputs were
 built (opening the study in the storage, its warm start): "in all" less "total", "re-timing"
-and "opening" is the study's clean-up and bookkeeping (logs that say so).
+and "opening" is the study's clean-up and bookkeeping (logs that say so). "studies" counts
+each study once; "again" its later lines (the local search's second pass, or runs of the same
+journal); "oom retries" the trials tried again after running out of GPU memory, "lost" those
+given up (their points queued again).
 """
 
 from __future__ import annotations
@@ -21,25 +24,33 @@ import sys
 from collections import defaultdict
 
 STUDY = re.compile(
-    r"\[gpu \S+\] (?P<name>\S+) @ \S+: ran (?P<trials>\d+) trials in (?P<total>[\d.]+) s "
-    r"\((?P<parts>[^)]*)\)"
+    r"\[gpu \S+\] (?P<name>\S+) @ (?P<bucket>\S+): ran (?P<trials>\d+) trials in "
+    r"(?P<total>[\d.]+) s \((?P<parts>[^)]*)\)"
 )
+# a trial out of GPU memory tried again in place, and one given up (its point queued again)
+OOM_RETRY = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: out of GPU memory in a trial")
+LOST = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: a trial lost")
 RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
 IN_ALL = re.compile(
     r"\[gpu \S+\] (?P<name>\S+) @ \S+: (?P<all>[\d.]+) s in all \((?P<open>[\d.]+) s opening"
 )
 PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
-COLUMNS = ("studies", "trials", "total", "building inputs", "first check", "check", "timing",
-           "re-timing", "compiled", "cached", "compiling", "in all", "opening")  # fmt: skip
+COLUMNS = ("studies", "again", "trials", "total", "building inputs", "first check", "check",
+           "timing", "re-timing", "compiled", "cached", "compiling", "in all", "opening",
+           "oom retries", "lost")  # fmt: skip
+COUNTS = ("studies", "again", "trials", "compiled", "cached", "oom retries", "lost")
 
 
 def summarize(lines) -> dict[str, dict[str, float]]:
     """{family: {column: sum}} over the log's study and re-timing lines."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(COLUMNS, 0.0))
+    seen = set()  # (a study's second line: the local search's second pass, or a resumed run)
     for line in lines:
         if m := STUDY.search(line):
             row = out[m["name"].split("-")[0]]
-            row["studies"] += 1
+            key = (m["name"], m["bucket"])
+            row["again" if key in seen else "studies"] += 1
+            seen.add(key)
             row["trials"] += int(m["trials"])
             row["total"] += float(m["total"])
             for part in m["parts"].split(", "):
@@ -48,6 +59,10 @@ def summarize(lines) -> dict[str, dict[str, float]]:
                         row[p["k"]] += float(p["v"])
         elif m := RETIMED.search(line):
             out[m["name"].split("-")[0]]["re-timing"] += float(m["s"])
+        elif m := OOM_RETRY.search(line):
+            out[m["name"].split("-")[0]]["oom retries"] += 1
+        elif m := LOST.search(line):
+            out[m["name"].split("-")[0]]["lost"] += 1
         elif m := IN_ALL.search(line):
             row = out[m["name"].split("-")[0]]
             row["in all"] += float(m["all"])
@@ -62,7 +77,7 @@ def table(rows: dict[str, dict[str, float]]) -> str:
     body = []
     for name, r in sorted([*rows.items(), ("all", total)], key=lambda kv: kv[0] == "all"):
         cells = "".join(
-            f" {int(r[c]):>15d}" if c in ("studies", "trials", "compiled", "cached")
+            f" {int(r[c]):>15d}" if c in COUNTS
             else f" {r[c]:>13.1f} s"
             for c in COLUMNS
         )  # fmt: skip
