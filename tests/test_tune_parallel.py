@@ -938,3 +938,30 @@ def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
         "num_tokens=65536,num_heads=8,row_align=16",
         "num_tokens=65536,num_heads=8,row_align=4",
     ]
+
+
+def test_the_worker_s_guard_keeps_the_evaluator_s_re_timing(monkeypatch):
+    """The worker's guard around the evaluator keeps its ``confirm`` (the re-timing with the
+    bench's fuller settle, which ``tuner.confirm`` takes over the trial timing), guarded alike:
+    a re-timing out of GPU memory is tried again. The guard had dropped it, so a worker
+    re-timed with the trials' short settle."""
+    monkeypatch.setattr(parallel, "OOM_WAIT_S", 0.0)
+    calls = []
+    ooms = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")]
+
+    def evaluate(meta):
+        calls.append("trial")
+        return 1.0
+
+    def confirm(meta):
+        calls.append("confirm")
+        if ooms:
+            raise ooms.pop()
+        return 2.0
+
+    evaluate.confirm = confirm
+    guarded = parallel._guarded(evaluate)
+    assert guarded({"num_warps": 1}) == 1.0
+    assert getattr(guarded, "confirm", guarded)({"num_warps": 1}) == 2.0
+    assert calls == ["trial", "confirm", "confirm"]
+    assert not hasattr(parallel._guarded(lambda meta: 3.0), "confirm")

@@ -45,9 +45,9 @@ from typing import Any
 GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
 # Exit status of a worker that stopped because its GPU context is broken.
 EXIT_FAULT = 3
-# Exit status of a worker that found no GPU memory for a study's inputs or a trial, after
-# waiting (OOM_RETRIES tries, OOM_WAIT_S apart): other processes on its GPU held it (the
-# compile pool's problems, another user's job); a fresh worker tries the study again.
+# Exit status of a worker that found no GPU memory for a study's inputs, after waiting
+# (OOM_RETRIES tries, OOM_WAIT_S apart): other processes on its GPU held it (the compile
+# pool's problems, another user's job); a fresh worker tries the study again.
 EXIT_MEMORY = 4
 OOM_RETRIES = 3
 OOM_WAIT_S = float(os.environ.get("KVGEN_TUNE_OOM_WAIT_S", "10"))
@@ -456,27 +456,36 @@ def _guarded(evaluate, log: Callable[[str], None] = lambda line: None):
     memory (the compile pool's processes or another job holding the GPU's memory: the config
     is not at fault) frees this process's cache, waits OOM_WAIT_S and runs the trial again,
     OOM_RETRIES tries, then raises ``tuner.TrialLost`` (the trial counts as none and its point
-    is queued again; the point's retry, out of memory too, fails as its config's)."""
+    is queued again; the point's retry, out of memory too, fails as its config's). The
+    evaluator's ``confirm`` (the re-timing's fuller settle, which ``tuner.confirm`` takes) is
+    guarded alike and kept."""
     from kvgen.tune import tuner
 
-    def run(meta):
-        for attempt in range(1, OOM_RETRIES + 1):
-            try:
-                return evaluate(meta)
-            except Exception as exc:
-                if _sticky(exc):
-                    raise _fault(exc) from exc
-                if not _out_of_memory(exc):
-                    raise
-                why = f"{type(exc).__name__}: {exc}"[:200]
-            # (past the except block: the exception and the tensors its frames held are gone)
-            _release_memory()
-            if attempt == OOM_RETRIES:
-                raise tuner.TrialLost(f"out of GPU memory in {OOM_RETRIES} tries: {why}")
-            log(f"out of GPU memory in a trial of {meta} (try {attempt} of {OOM_RETRIES}); "
-                f"trying again in {OOM_WAIT_S:g} s")  # fmt: skip
-            time.sleep(OOM_WAIT_S)
+    def guard(fn):
+        def run(meta):
+            for attempt in range(1, OOM_RETRIES + 1):
+                try:
+                    return fn(meta)
+                except Exception as exc:
+                    if _sticky(exc):
+                        raise _fault(exc) from exc
+                    if not _out_of_memory(exc):
+                        raise
+                    why = f"{type(exc).__name__}: {exc}"[:200]
+                # (past the except block: the exception and the tensors its frames held are
+                # gone)
+                _release_memory()
+                if attempt == OOM_RETRIES:
+                    raise tuner.TrialLost(f"out of GPU memory in {OOM_RETRIES} tries: {why}")
+                log(f"out of GPU memory in a trial of {meta} (try {attempt} of "
+                    f"{OOM_RETRIES}); trying again in {OOM_WAIT_S:g} s")  # fmt: skip
+                time.sleep(OOM_WAIT_S)
 
+        return run
+
+    run = guard(evaluate)
+    if hasattr(evaluate, "confirm"):
+        run.confirm = guard(evaluate.confirm)
     return run
 
 
