@@ -1007,6 +1007,40 @@ def test_confirm_retimes_with_the_evaluators_confirm_where_it_has_one(override, 
     assert calls == ["confirm"] * 6 and c.meta == true_best
 
 
+def test_the_gpu_evaluator_settles_a_run_of_retimings_fully_only_before_its_first(monkeypatch):
+    """The GPU evaluator's trials settle TRIAL_SETTLE_MS; of a run of re-timings
+    (``evaluate.confirm``) the first settles the bench's full SETTLE_MS (what ran before it
+    may be another study's load), the others, which follow a timing of the same problem, as
+    trials do; a trial between two runs starts a new run."""
+    from kvgen.bench import harness
+    from kvgen.tune import problems
+
+    monkeypatch.delenv("KVGEN_TUNE_TRIAL_SETTLE_MS", raising=False)
+    monkeypatch.setattr(problems, "problem", lambda spec, bucket, device: (
+        lambda i, meta: None, lambda meta: meta.get("ok", True), 2))  # fmt: skip
+    monkeypatch.setattr(harness, "eager_time_us", lambda step, n_sets, iters=200: 1.0)
+    settles = []
+
+    def graph_time_us(step, n_sets, calls=None, replays=20, trials=7, settle_ms=0.0):
+        settles.append(settle_ms)
+        return 1.0
+
+    monkeypatch.setattr(harness, "graph_time_us", graph_time_us)
+    evaluate = problems.gpu_evaluator(SPEC, BUCKET, device="cpu")
+    short, full = problems.TRIAL_SETTLE_MS, harness.SETTLE_MS
+    assert short < full
+    evaluate({})
+    for _ in range(3):
+        evaluate.confirm({})
+    with pytest.raises(tuner.TrialFailed):
+        evaluate.confirm({"ok": False})  # (checked, not timed)
+    evaluate.confirm({})
+    evaluate({})
+    evaluate.confirm({})
+    evaluate.confirm({})
+    assert settles == [short, full, short, short, short, short, full, short]
+
+
 def test_confirm_retimes_a_lone_best_and_nothing_its_median_leaves_behind(
     override, storage, tmp_path
 ):
@@ -1052,6 +1086,50 @@ def test_confirm_retimes_in_a_second_pass_what_a_lucky_best_trial_kept_out(overr
     later = [m for m in by_time if fake_time(m) < fake_time(lucky)][:3]
     assert seen[:3] == [lucky] * 3 and true_best in later
     assert seen[3:] == [lucky, *later, *reversed(later), lucky, lucky, *later]
+
+
+def test_a_stored_confirmation_stands_while_the_trials_added_after_it_read_far_slower(
+    override, storage
+):
+    """The second pass (or a resumed run) adds trials to a confirmed study. Where each one
+    failed or read more than CONFIRM_MARGIN slower than both the confirmed time and the best
+    trial, ``confirm`` would re-time none of them: the confirmation stands and the study is
+    not re-timed again. A trial within the margin, or a confirmation stored without the
+    number of its last trial, calls for a re-timing."""
+    tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=storage, sampler="grid", n_trials=4)
+    c = tuner.confirm(SPEC, BUCKET, storage, fake_time, top=3, record=True)
+    assert c.confirm_rounds == 3 and tuner.stored_confirmation(SPEC, BUCKET, storage) == c
+    study = tuner.load_study(SPEC, BUCKET, storage)
+    done = study.get_trials(deepcopy=False)
+    best = min(t.value for t in done if t.value is not None)
+    tried = [t.params for t in done]
+    others = [m for m in SPACE.feasible(SPEC) if m not in tried]
+    dists = done[0].distributions
+    bar = (1 + tuner.CONFIRM_MARGIN) * max(c.time_us, best)
+
+    def add(params, value=None):
+        state = optuna.trial.TrialState.COMPLETE if value else optuna.trial.TrialState.FAIL
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions=dists, value=value, state=state))  # fmt: skip
+
+    add(others[0], bar * 1.01)
+    add(others[1])  # failed
+    kept = tuner.stored_confirmation(SPEC, BUCKET, storage)
+    assert kept is not None and (kept.meta, kept.time_us) == (c.meta, c.time_us)
+    assert kept.trials == c.trials + 2
+    add(others[2], bar * 0.99)  # within the margin: re-timed
+    assert tuner.stored_confirmation(SPEC, BUCKET, storage) is None
+    # a confirmation stored before its last trial's number was: any trial added re-times
+    old = tuner.storage_from(str(override / "old.journal"), override / "unused")
+    tuner.run_study(SPEC, BUCKET, SPACE, fake_time, storage=old, sampler="grid", n_trials=4)
+    tuner.confirm(SPEC, BUCKET, old, fake_time, top=3, record=True)
+    study = tuner.load_study(SPEC, BUCKET, old)
+    kept = dict(study.user_attrs["confirmed"])
+    del kept["last"]
+    study.set_user_attr("confirmed", kept)
+    assert tuner.stored_confirmation(SPEC, BUCKET, old) is not None
+    add(others[0], bar * 10)
+    assert tuner.stored_confirmation(SPEC, BUCKET, old) is None
 
 
 def test_confirm_drops_a_candidate_that_fails_now(override, storage):
@@ -1146,3 +1224,13 @@ def test_a_nearest_bucket_s_entry_serves_a_call_unless_it_breaks_a_call_constrai
     configs.reset()
     assert configs.meta_params(SPEC, num_tokens=1) == SPEC.default_meta(num_tokens=1)
     assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
+
+
+def test_the_compile_pool_takes_half_the_cpus_by_default(monkeypatch):
+    """``--jobs`` 0 (the default) is half the CPUs this process may use: 8 of a 16-CPU GPU
+    host (7 compile processes beside its worker), and 1 (no pool) on a 2-CPU machine."""
+    from kvgen.tune import run
+
+    for cpus, jobs in ((16, 8), (15, 7), (2, 1), (1, 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert run.default_compile_jobs() == jobs

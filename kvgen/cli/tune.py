@@ -62,7 +62,7 @@ def tune_cmd(
             "steps around them (--compile-first); timing stays serial. 1: off.",
             "--jobs",
             "-j",
-            show_default="CPU count - 1",
+            show_default="half the CPUs",
         ),
     ] = 0,
     gpus: Annotated[

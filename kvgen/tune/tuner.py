@@ -948,10 +948,12 @@ def confirm(
                 confirm_rounds=rounds,
             )
     if record:
+        done_now = finished(study.get_trials(deepcopy=False))
         study.set_user_attr(
             _CONFIRMED,
             {
-                "finished": len(finished(study.get_trials(deepcopy=False))),
+                "finished": len(done_now),
+                "last": max((t.number for t in done_now), default=-1),
                 "meta": final.meta,
                 "time_us": final.time_us,
                 "default_time_us": final.default_time_us,
@@ -988,15 +990,14 @@ _CLAIM = "confirm_claim"
 def stored_confirmation(
     spec, bucket: dict[str, int], storage, stop: StopRule = NO_STOP
 ) -> StudyResult | None:
-    """The study's result with the confirmation a worker stored, if the study has one made
-    after its last finished trial (None otherwise: no study, none stored, or trials added
-    since, e.g. by a resumed run with a larger budget)."""
+    """The study's result with the confirmation a worker stored, if the study has one that
+    its finished trials leave standing (``confirmation_stands``; None otherwise: no study,
+    none stored, or trials added since that a re-timing would look at)."""
     study = load_study(spec, bucket, storage)
     if study is None:
         return None
     kept = study.user_attrs.get(_CONFIRMED)
-    trials = study.get_trials(deepcopy=False)
-    if not kept or kept["finished"] != len(finished(trials)):
+    if not kept or not confirmation_stands(kept, study.get_trials(deepcopy=False)):
         return None
     result = summarize(spec, bucket, study, spec.default_meta(**bucket), stop)
     return dataclasses.replace(
@@ -1006,6 +1007,29 @@ def stored_confirmation(
         default_time_us=kept["default_time_us"],
         confirm_rounds=kept["confirm_rounds"],
     )
+
+
+def confirmation_stands(kept: dict[str, Any], trials) -> bool:
+    """Whether a stored confirmation ``kept`` still holds for a study of these ``trials``:
+    no trial finished since it was made, or every one that did (the second pass's, or a
+    resumed run's with a larger budget) failed or read more than ``CONFIRM_MARGIN`` slower
+    than both the confirmed time and the best trial before it. ``confirm`` would not re-time
+    such a config (it is neither within the margin of the best trial nor under the winning
+    median): a re-timing would time again the configs it timed, and pick among them anew
+    only by the noise of its timings."""
+    done_now = finished(trials)
+    if kept["finished"] == len(done_now):
+        return True
+    last = kept.get("last")  # (a confirmation stored before "last" was: re-time)
+    old = [t for t in done_now if last is not None and t.number <= last]
+    if last is None or len(old) != kept["finished"] or kept.get("time_us") is None:
+        return False
+    complete = optuna.trial.TrialState.COMPLETE
+    before = [t.value for t in old if t.state == complete]
+    if not before:
+        return False
+    bar = (1 + CONFIRM_MARGIN) * max(kept["time_us"], min(before))
+    return all(t.value > bar for t in done_now if t.number > last and t.state == complete)
 
 
 def claim_confirmation(study: optuna.Study, worker: str, key: str) -> bool:
