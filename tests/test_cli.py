@@ -293,7 +293,7 @@ def test_help_paragraphs_are_wrapped_whole(command):
         if line.strip() and nxt.strip() and not line.lstrip().startswith("Usage"):
             assert len(line) >= 60, f"short line inside a paragraph: {line!r}"
     if command == "tune":
-        assert "[default: (CPU count - 1)]" in " ".join(result.stdout.split())
+        assert "[default: (half the CPUs)]" in " ".join(result.stdout.split())
 
 
 def test_show_plot(tmp_path):
