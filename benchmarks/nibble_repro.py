@@ -1,0 +1,154 @@
+"""The portable 4-bit decodes' nibble unpacking alone, at 16- and 32-key tiles, against torch.
+
+On sm90 the portable MXFP4 MLA and int4 GQA decodes are wrong at 16-key tiles (every row,
+every channel block: ``results/sm90/nibble-tile-check-h100-2026-12-06.txt``) and right at 32,
+while the interpreter's builds are right at both. This kernel does only what both decodes do
+with a tile of keys' packed codes: bytes to int32, ``tl.join`` of the low and high nibbles,
+a reshape to (keys, groups, channels), a level per code (plain arithmetic, or with ``--asm``
+a byte-permute lookup through ``inline_asm_elementwise`` with ``pack=4`` as the int4 decode's
+``int4_levels`` does), times a per-group scale, a reshape to (keys, channels), then the two
+products of a decode step, S = Q K^T and O = P K. Each run prints its relative error against
+the same steps in torch (fp32): where it fails at 16 keys and not at 32, the fault is in
+Triton's build of these steps, not in the decodes' other code.
+
+    python -P benchmarks/nibble_repro.py [--asm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+D = tl.constexpr(128)  # channels a key (constexprs: the kernel reads them)
+GROUPS = tl.constexpr(4)  # scale groups of 32 channels
+CHANNELS = tl.constexpr(32)
+_D, _GROUPS, _CHANNELS = D.value, GROUPS.value, CHANNELS.value
+
+
+@triton.jit
+def _levels_asm(codes):
+    """Each 4-bit code's level (code & 7, negated where bit 3 is set) as fp32, four codes an
+    asm instance (``pack=4``), the magnitudes looked up in a byte table by ``prmt``."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 s, m, t, x, y, lo, hi;
+        .reg .pred p;
+        shl.b32 s, $5, 4;
+        or.b32 s, s, $4;
+        shl.b32 t, $6, 8;
+        or.b32 s, s, t;
+        shl.b32 t, $7, 12;
+        or.b32 s, s, t;
+        and.b32 m, s, 0x7777;
+        mov.b32 lo, 0x03020100;
+        mov.b32 hi, 0x07060504;
+        prmt.b32 t, lo, hi, m;
+        mov.b32 x, t;
+        and.b32 x, x, 0xFF;
+        cvt.rn.f32.u32 $0, x;
+        and.b32 y, $4, 8;
+        setp.ne.u32 p, y, 0;
+        @p neg.f32 $0, $0;
+        shr.b32 x, t, 8;
+        and.b32 x, x, 0xFF;
+        cvt.rn.f32.u32 $1, x;
+        and.b32 y, $5, 8;
+        setp.ne.u32 p, y, 0;
+        @p neg.f32 $1, $1;
+        shr.b32 x, t, 16;
+        and.b32 x, x, 0xFF;
+        cvt.rn.f32.u32 $2, x;
+        and.b32 y, $6, 8;
+        setp.ne.u32 p, y, 0;
+        @p neg.f32 $2, $2;
+        shr.b32 x, t, 24;
+        and.b32 x, x, 0xFF;
+        cvt.rn.f32.u32 $3, x;
+        and.b32 y, $7, 8;
+        setp.ne.u32 p, y, 0;
+        @p neg.f32 $3, $3;
+        }""",
+        "=f,=f,=f,=f,r,r,r,r",
+        [codes],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _levels(codes):
+    mag = (codes & 7).to(tl.float32)
+    return tl.where((codes & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _kernel(codes_ptr, scale_ptr, q_ptr, p_ptr, s_ptr, o_ptr,
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    n = tl.arange(0, BLOCK_N)
+    b = tl.arange(0, D // 2)
+    h = tl.arange(0, BLOCK_H)
+    c = tl.arange(0, D)
+    codes = tl.load(codes_ptr + n[:, None] * (D // 2) + b[None, :]).to(tl.int32)
+    codes = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_N, GROUPS, CHANNELS))
+    g = tl.arange(0, GROUPS)
+    scale = tl.load(scale_ptr + n[:, None] * GROUPS + g[None, :])
+    if ASM:
+        vals = _levels_asm(codes)
+    else:
+        vals = _levels(codes)
+    k = tl.reshape(vals * scale[:, :, None], (BLOCK_N, D)).to(tl.float16)
+    q = tl.load(q_ptr + h[:, None] * D + c[None, :])
+    s = tl.dot(q, tl.trans(k))
+    tl.store(s_ptr + h[:, None] * BLOCK_N + n[None, :], s)
+    p = tl.load(p_ptr + h[:, None] * BLOCK_N + n[None, :])
+    o = tl.dot(p, k)
+    tl.store(o_ptr + h[:, None] * D + c[None, :], o)
+
+
+def reference(codes, scale):
+    """The keys' values: channel 2i in byte i's low nibble, 2i + 1 in its high one."""
+    lo, hi = (codes & 0xF).int(), (codes >> 4).int()
+    nib = torch.stack((lo, hi), dim=-1).reshape(codes.shape[0], _D)
+    mag = (nib & 7).float()
+    vals = torch.where((nib & 8) != 0, -mag, mag)
+    return (vals.reshape(-1, _GROUPS, _CHANNELS) * scale[:, :, None]).reshape(-1, _D)
+
+
+def run(block_n, block_h, warps, asm, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    codes = torch.randint(0, 256, (block_n, _D // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(block_n, _GROUPS, generator=gen) + 0.5
+    q = torch.randn(block_h, _D, generator=gen).half()
+    p = torch.rand(block_h, block_n, generator=gen).half()
+    k = reference(codes, scale).half().float()
+    s_ref, o_ref = q.float() @ k.T, p.float() @ k
+    args = [x.to(device) for x in (codes, scale, q, p)]
+    s = torch.full((block_h, block_n), float("nan"), device=device)
+    o = torch.full((block_h, _D), float("nan"), device=device)
+    _kernel[(1,)](*args, s, o, BLOCK_N=block_n, BLOCK_H=block_h, ASM=asm, num_warps=warps)
+    s, o = s.cpu(), o.cpu()
+    err = [float((x - r).abs().max() / r.abs().max()) for x, r in ((s, s_ref), (o, o_ref))]
+    return err
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--asm", action="store_true", help="levels by inline asm, pack=4")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and torch.cuda.is_available():
+        print(f"{torch.cuda.get_device_name()}, Triton {triton.__version__}")
+    for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (2, 4, 8)):
+        s_err, o_err = run(block_n, block_h, warps, args.asm, args.device)
+        bad = "  WRONG" if max(s_err, o_err) > 1e-2 else ""
+        print(f"block_n {block_n:2d} block_h {block_h:2d} warps {warps}: S rel err "
+              f"{s_err:.1e}, O rel err {o_err:.1e}{bad}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
