@@ -29,12 +29,17 @@ CHANNELS = tl.constexpr(32)
 _D, _GROUPS, _CHANNELS = D.value, GROUPS.value, CHANNELS.value
 
 
-@triton.jit
-def _levels_asm(codes):
-    """Each 4-bit code's level (code & 7, negated where bit 3 is set) as fp32, four codes an
-    asm instance (``pack=4``), the magnitudes looked up in a byte table by ``prmt``."""
-    return tl.inline_asm_elementwise(
-        """{
+# The levels of four codes ($4-$7) into $0-$3: the codes' magnitudes looked up in a byte
+# table by one prmt, then each byte to fp32, negated where its code's bit 3 is set.
+_ELEMENT = """
+        shr.b32 x, t, {shift};
+        and.b32 x, x, 0xFF;
+        cvt.rn.f32.u32 ${out}, x;
+        and.b32 y, ${code}, 8;
+        setp.ne.u32 p, y, 0;
+        @p neg.f32 ${out}, ${out};"""
+LEVELS_ASM = tl.constexpr(
+    """{
         .reg .b32 s, m, t, x, y, lo, hi;
         .reg .pred p;
         shl.b32 s, $5, 4;
@@ -46,37 +51,18 @@ def _levels_asm(codes):
         and.b32 m, s, 0x7777;
         mov.b32 lo, 0x03020100;
         mov.b32 hi, 0x07060504;
-        prmt.b32 t, lo, hi, m;
-        mov.b32 x, t;
-        and.b32 x, x, 0xFF;
-        cvt.rn.f32.u32 $0, x;
-        and.b32 y, $4, 8;
-        setp.ne.u32 p, y, 0;
-        @p neg.f32 $0, $0;
-        shr.b32 x, t, 8;
-        and.b32 x, x, 0xFF;
-        cvt.rn.f32.u32 $1, x;
-        and.b32 y, $5, 8;
-        setp.ne.u32 p, y, 0;
-        @p neg.f32 $1, $1;
-        shr.b32 x, t, 16;
-        and.b32 x, x, 0xFF;
-        cvt.rn.f32.u32 $2, x;
-        and.b32 y, $6, 8;
-        setp.ne.u32 p, y, 0;
-        @p neg.f32 $2, $2;
-        shr.b32 x, t, 24;
-        and.b32 x, x, 0xFF;
-        cvt.rn.f32.u32 $3, x;
-        and.b32 y, $7, 8;
-        setp.ne.u32 p, y, 0;
-        @p neg.f32 $3, $3;
-        }""",
-        "=f,=f,=f,=f,r,r,r,r",
-        [codes],
-        dtype=tl.float32,
-        is_pure=True,
-        pack=4,
+        prmt.b32 t, lo, hi, m;"""
+    + "".join(_ELEMENT.format(out=j, code=4 + j, shift=8 * j) for j in range(4))
+    + "\n        }"
+)
+
+
+@triton.jit
+def _levels_asm(codes):
+    """Each 4-bit code's level (code & 7, negated where bit 3 is set) as fp32, four codes an
+    asm instance (``pack=4``), the magnitudes looked up in a byte table by ``prmt``."""
+    return tl.inline_asm_elementwise(
+        LEVELS_ASM, "=f,=f,=f,=f,r,r,r,r", [codes], dtype=tl.float32, is_pure=True, pack=4
     )
 
 

@@ -59,8 +59,7 @@ def gpu_evaluator(spec, bucket, device="cuda"):
 
     last = ["trial"]  # what this evaluator timed last: a "trial" or a "confirm"
 
-    def evaluate(meta, settle_ms=None):
-        last[0] = "trial"
+    def timed(meta, settle_ms):
         t0 = time.perf_counter()
         ok = check(meta)
         t1 = time.perf_counter()
@@ -76,18 +75,20 @@ def gpu_evaluator(spec, bucket, device="cuda"):
         replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
         us = harness.graph_time_us(
             lambda i: run(i, meta), n_sets, calls=calls, replays=replays, trials=5,
-            settle_ms=trial_settle if settle_ms is None else settle_ms,
+            settle_ms=settle_ms,
         )  # fmt: skip
         seconds["timing"] += time.perf_counter() - t1
         tally()  # (a timed set's launch may be a binary of its own)
         return us
 
+    def evaluate(meta):
+        last[0] = "trial"
+        return timed(meta, trial_settle)
+
     def confirm(meta):
         settle = trial_settle if last[0] == "confirm" else harness.SETTLE_MS
-        try:
-            return evaluate(meta, settle_ms=settle)
-        finally:
-            last[0] = "confirm"
+        last[0] = "confirm"
+        return timed(meta, settle)
 
     evaluate.confirm = confirm
     evaluate.seconds = seconds

@@ -1021,8 +1021,10 @@ def confirmation_stands(kept: dict[str, Any], trials) -> bool:
     if kept["finished"] == len(done_now):
         return True
     last = kept.get("last")  # (a confirmation stored before "last" was: re-time)
-    old = [t for t in done_now if last is not None and t.number <= last]
-    if last is None or len(old) != kept["finished"] or kept.get("time_us") is None:
+    if last is None or kept.get("time_us") is None:
+        return False
+    old = [t for t in done_now if t.number <= last]
+    if len(old) != kept["finished"]:
         return False
     complete = optuna.trial.TrialState.COMPLETE
     before = [t.value for t in old if t.state == complete]
