@@ -1,17 +1,17 @@
-"""The portable 4-bit decodes' nibble unpacking alone, at 16- and 32-key tiles, against torch.
+"""The portable 4-bit decodes' nibble unpacking alone, at 16- to 64-key tiles, against torch.
 
 On sm90 the portable MXFP4 MLA and int4 GQA decodes are wrong at 16-key tiles (every row,
 every channel block: ``results/sm90/nibble-tile-check-h100-2026-12-06.txt``) and right at 32,
 while the interpreter's builds are right at both. This kernel does only what both decodes do
-with a tile of keys' packed codes: bytes to int32, ``tl.join`` of the low and high nibbles,
-a reshape to (keys, groups, channels), a level per code (plain arithmetic, or with ``--asm``
-a byte-permute lookup through ``inline_asm_elementwise`` with ``pack=4`` as the int4 decode's
-``int4_levels`` does), times a per-group scale, a reshape to (keys, channels), then the two
-products of a decode step, S = Q K^T and O = P K. Each run prints its relative error against
-the same steps in torch (fp32): where it fails at 16 keys and not at 32, the fault is in
-Triton's build of these steps, not in the decodes' other code.
+with a tile of keys' packed codes (bytes to int32, ``tl.join`` of the low and high nibbles,
+a reshape to (keys, groups, channels), a level per code, times a per-group scale, a reshape to
+(keys, channels)), then the two products of a decode step, S = Q K^T and O = P K, and prints
+each run's relative error against the same steps in torch (fp32). The other forms build the
+same K without some of those steps (the kernel's docstring), to tell which step Triton builds
+wrong: ``results/sm90/nibble-repro-h100-2026-12-06.txt`` has O wrong at 16 keys and 16- or
+32-row tiles (and 64 rows at 2 warps) for the nibbles and asm forms, S right everywhere.
 
-    python -P benchmarks/nibble_repro.py [--asm]
+    python -P benchmarks/nibble_repro.py [--forms nibbles asm join gather direct]
 """
 
 from __future__ import annotations
@@ -72,22 +72,45 @@ def _levels(codes):
     return tl.where((codes & 8) != 0, -mag, mag)
 
 
+FORMS = ("nibbles", "asm", "join", "gather", "direct")
+
+
 @triton.jit
-def _kernel(codes_ptr, scale_ptr, q_ptr, p_ptr, s_ptr, o_ptr,
-            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+def _kernel(codes_ptr, scale_ptr, k_ptr, q_ptr, p_ptr, s_ptr, o_ptr,
+            BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, FORM: tl.constexpr):  # fmt: skip
+    """K (BLOCK_N keys x D channels, fp16) built as FORM says, then S = Q K^T and O = P K.
+
+    0 nibbles: bytes to int32, join of the low and high nibbles, reshape to (keys, groups,
+    channels), levels, times the group scale, reshape to (keys, D), as both decodes do;
+    1 asm: the same with the levels by inline asm (pack=4); 2 join: the join and reshape alone,
+    of two fp16 halves (even and odd channels) loaded from the reference K; 3 gather: the
+    codes read per channel (byte c // 2, shifted by 4 (c & 1)), no join and no reshape;
+    4 direct: the reference K loaded as it is."""
     n = tl.arange(0, BLOCK_N)
-    b = tl.arange(0, D // 2)
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, D)
-    codes = tl.load(codes_ptr + n[:, None] * (D // 2) + b[None, :]).to(tl.int32)
-    codes = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_N, GROUPS, CHANNELS))
-    g = tl.arange(0, GROUPS)
-    scale = tl.load(scale_ptr + n[:, None] * GROUPS + g[None, :])
-    if ASM:
-        vals = _levels_asm(codes)
+    if FORM <= 1:
+        b = tl.arange(0, D // 2)
+        codes = tl.load(codes_ptr + n[:, None] * (D // 2) + b[None, :]).to(tl.int32)
+        codes = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_N, GROUPS, CHANNELS))
+        g = tl.arange(0, GROUPS)
+        scale = tl.load(scale_ptr + n[:, None] * GROUPS + g[None, :])
+        if FORM == 1:
+            vals = _levels_asm(codes)
+        else:
+            vals = _levels(codes)
+        k = tl.reshape(vals * scale[:, :, None], (BLOCK_N, D)).to(tl.float16)
+    elif FORM == 2:
+        half = tl.arange(0, D // 2)
+        rows = k_ptr + n[:, None] * D + 2 * half[None, :]
+        k = tl.reshape(tl.join(tl.load(rows), tl.load(rows + 1)), (BLOCK_N, D))
+    elif FORM == 3:
+        byte = tl.load(codes_ptr + n[:, None] * (D // 2) + (c // 2)[None, :]).to(tl.int32)
+        codes = (byte >> (4 * (c & 1))[None, :]) & 0xF
+        scale = tl.load(scale_ptr + n[:, None] * GROUPS + (c // CHANNELS)[None, :])
+        k = (_levels(codes) * scale).to(tl.float16)
     else:
-        vals = _levels(codes)
-    k = tl.reshape(vals * scale[:, :, None], (BLOCK_N, D)).to(tl.float16)
+        k = tl.load(k_ptr + n[:, None] * D + c[None, :])
     q = tl.load(q_ptr + h[:, None] * D + c[None, :])
     s = tl.dot(q, tl.trans(k))
     tl.store(s_ptr + h[:, None] * BLOCK_N + n[None, :], s)
@@ -105,18 +128,19 @@ def reference(codes, scale):
     return (vals.reshape(-1, _GROUPS, _CHANNELS) * scale[:, :, None]).reshape(-1, _D)
 
 
-def run(block_n, block_h, warps, asm, device, seed=0):
+def run(block_n, block_h, warps, form, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     codes = torch.randint(0, 256, (block_n, _D // 2), generator=gen, dtype=torch.uint8)
     scale = torch.rand(block_n, _GROUPS, generator=gen) + 0.5
     q = torch.randn(block_h, _D, generator=gen).half()
     p = torch.rand(block_h, block_n, generator=gen).half()
-    k = reference(codes, scale).half().float()
-    s_ref, o_ref = q.float() @ k.T, p.float() @ k
-    args = [x.to(device) for x in (codes, scale, q, p)]
+    k = reference(codes, scale).half()
+    s_ref, o_ref = q.float() @ k.float().T, p.float() @ k.float()
+    args = [x.to(device) for x in (codes, scale, k, q, p)]
     s = torch.full((block_h, block_n), float("nan"), device=device)
     o = torch.full((block_h, _D), float("nan"), device=device)
-    _kernel[(1,)](*args, s, o, BLOCK_N=block_n, BLOCK_H=block_h, ASM=asm, num_warps=warps)
+    _kernel[(1,)](*args, s, o, BLOCK_N=block_n, BLOCK_H=block_h, FORM=FORMS.index(form),
+                  num_warps=warps)  # fmt: skip
     s, o = s.cpu(), o.cpu()
     err = [float((x - r).abs().max() / r.abs().max()) for x, r in ((s, s_ref), (o, o_ref))]
     return err
@@ -124,15 +148,19 @@ def run(block_n, block_h, warps, asm, device, seed=0):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--asm", action="store_true", help="levels by inline asm, pack=4")
+    ap.add_argument(
+        "--forms", nargs="+", choices=FORMS, default=list(FORMS),
+        help="how K is built (the kernel's docstring); default: each in turn",
+    )  # fmt: skip
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     if args.device == "cuda" and torch.cuda.is_available():
         print(f"{torch.cuda.get_device_name()}, Triton {triton.__version__}")
-    for block_n, block_h, warps in itertools.product((16, 32, 64), (16, 32, 64), (2, 4, 8)):
-        s_err, o_err = run(block_n, block_h, warps, args.asm, args.device)
+    grid = itertools.product(args.forms, (16, 32, 64), (16, 32, 64), (2, 4, 8))
+    for form, block_n, block_h, warps in grid:
+        s_err, o_err = run(block_n, block_h, warps, form, args.device)
         bad = "  WRONG" if max(s_err, o_err) > 1e-2 else ""
-        print(f"block_n {block_n:2d} block_h {block_h:2d} warps {warps}: S rel err "
+        print(f"{form:7s} block_n {block_n:2d} block_h {block_h:2d} warps {warps}: S rel err "
               f"{s_err:.1e}, O rel err {o_err:.1e}{bad}")  # fmt: skip
 
 
