@@ -60,3 +60,17 @@ def test_both_builds_compile_for_sm90():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("ok ") == 2 * len(REPRO.FORMS)
+
+
+def test_a_form_triton_fails_to_build_is_reported_and_the_run_goes_on(monkeypatch, capsys):
+    def run(block_n, block_h, warps, form, device):
+        if form == "join":
+            raise RuntimeError("error: ...\nPassManager::run failed")
+        return 0.0, 0.5 if block_n == 16 else 0.0
+
+    monkeypatch.setattr(REPRO, "run", run)
+    REPRO.main(["--forms", "join", "direct", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 * 27
+    assert sum("BUILD FAILED (PassManager::run failed)" in line for line in lines) == 27
+    assert sum(line.endswith("WRONG") for line in lines) == 9  # direct at 16 keys
