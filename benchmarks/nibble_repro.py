@@ -8,12 +8,14 @@ a reshape to (keys, groups, channels), a level per code, times a per-group scale
 (keys, channels)), then the two products of a decode step, S = Q K^T and O = P K, and prints
 each run's relative error against the same steps in torch (fp32). The other forms build the
 same K without some of those steps (the kernel's docstring), to tell which step Triton builds
-wrong: ``results/sm90/nibble-repro-h100-2026-12-06.txt`` has O wrong at 16 keys and 16- or
-32-row tiles (and 64 rows at 2 warps) for the nibbles and asm forms, S right everywhere. A
-form Triton fails to build (the join form at 64-row tiles and 4 or 8 warps: its
+wrong. On an H100 (``results/sm90/nibble-repro-forms-h100-2026-12-06.txt``) O is wrong at 16
+keys and 16- or 32-row tiles (and 64 rows at 2 warps) for the nibbles and asm forms, S right
+everywhere; the join, gather and direct forms are right at every tile. The flat and unscaled
+forms (the nibbles' join without the 3-D reshape, and without the scale) tell those two steps
+apart. A form Triton fails to build (the join form at 64-row tiles and 4 or 8 warps: its
 TritonGPUOptimizeDotOperands pass fails) prints BUILD FAILED and the run goes on.
 
-    python -P benchmarks/nibble_repro.py [--forms nibbles asm join gather direct]
+    python -P benchmarks/nibble_repro.py [--forms nibbles asm join gather direct flat unscaled]
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _levels(codes):
     return tl.where((codes & 8) != 0, -mag, mag)
 
 
-FORMS = ("nibbles", "asm", "join", "gather", "direct")
+FORMS = ("nibbles", "asm", "join", "gather", "direct", "flat", "unscaled")
 
 
 @triton.jit
@@ -87,11 +89,13 @@ def _kernel(codes_ptr, scale_ptr, k_ptr, q_ptr, p_ptr, s_ptr, o_ptr,
     1 asm: the same with the levels by inline asm (pack=4); 2 join: the join and reshape alone,
     of two fp16 halves (even and odd channels) loaded from the reference K; 3 gather: the
     codes read per channel (byte c // 2, shifted by 4 (c & 1)), no join and no reshape;
-    4 direct: the reference K loaded as it is."""
+    4 direct: the reference K loaded as it is; 5 flat: the nibbles' join reshaped straight to
+    (keys, D), levels, times the scale read per channel (no 3-D reshape); 6 unscaled: as
+    nibbles without the scale product (the run passes scales of 1)."""
     n = tl.arange(0, BLOCK_N)
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, D)
-    if FORM <= 1:
+    if FORM <= 1 or FORM == 6:
         b = tl.arange(0, D // 2)
         codes = tl.load(codes_ptr + n[:, None] * (D // 2) + b[None, :]).to(tl.int32)
         codes = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_N, GROUPS, CHANNELS))
@@ -101,7 +105,16 @@ def _kernel(codes_ptr, scale_ptr, k_ptr, q_ptr, p_ptr, s_ptr, o_ptr,
             vals = _levels_asm(codes)
         else:
             vals = _levels(codes)
-        k = tl.reshape(vals * scale[:, :, None], (BLOCK_N, D)).to(tl.float16)
+        if FORM == 6:
+            k = tl.reshape(vals, (BLOCK_N, D)).to(tl.float16)
+        else:
+            k = tl.reshape(vals * scale[:, :, None], (BLOCK_N, D)).to(tl.float16)
+    elif FORM == 5:
+        b = tl.arange(0, D // 2)
+        codes = tl.load(codes_ptr + n[:, None] * (D // 2) + b[None, :]).to(tl.int32)
+        codes = tl.reshape(tl.join(codes & 0xF, codes >> 4), (BLOCK_N, D))
+        scale = tl.load(scale_ptr + n[:, None] * GROUPS + (c // CHANNELS)[None, :])
+        k = (_levels(codes) * scale).to(tl.float16)
     elif FORM == 2:
         half = tl.arange(0, D // 2)
         rows = k_ptr + n[:, None] * D + 2 * half[None, :]
@@ -134,6 +147,8 @@ def run(block_n, block_h, warps, form, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     codes = torch.randint(0, 256, (block_n, _D // 2), generator=gen, dtype=torch.uint8)
     scale = torch.rand(block_n, _GROUPS, generator=gen) + 0.5
+    if form == "unscaled":
+        scale = torch.ones_like(scale)
     q = torch.randn(block_h, _D, generator=gen).half()
     p = torch.rand(block_h, block_n, generator=gen).half()
     k = reference(codes, scale).half()
