@@ -1,10 +1,13 @@
 """Time the configs of two tuned_configs folders against each other, bucket by bucket, in one
 process on this GPU.
 
-    python benchmarks/compare_tuned.py A B [--arch sm90] [--family F,...] [--rounds 3] [--json F]
+    python benchmarks/compare_tuned.py A B [--arch sm90] [--device D] [--family F,...]
+        [--rounds 3] [--json F]
 
 A and B are tuned_configs folders (each holding <arch>/<family>.json; e.g. the package's and a
-new `kvgen tune --out` folder). For every (variant, bucket) that both tuned, the two configs
+new `kvgen tune --out` folder); with --device D, each folder's <arch>/D/<family>.json (a GPU
+model's own files) replaces its <arch>/<family>.json, as the ops load them on that model. For
+every (variant, bucket) that both tuned, the two configs
 are timed with the tuner's own trial (the family's tuning problem: its inputs, its correctness
 check, CUDA graphs on rotated buffers) in alternated rounds, A B, B A, A B, ...; the row is the
 ratio of B's median to A's. Buckets where both chose the same config are listed with ratio 1
@@ -29,18 +32,22 @@ GPU_EVALUATOR = "kvgen.tune.problems:gpu_evaluator"
 TOLERANCE = 0.02  # "as good": B within 2 % of A
 
 
-def load(folder: Path, arch: str) -> dict[str, dict]:
-    """{family: its JSON document} of ``folder/arch``."""
+def load(folder: Path, arch: str, device: str = "") -> dict[str, dict]:
+    """{family: its JSON document} of ``folder/arch``, each replaced by the one in
+    ``folder/arch/device`` where that folder has one."""
     out = {}
-    for path in sorted((folder / arch).glob("*.json")):
-        doc = json.loads(path.read_text())
-        out[doc["family"]] = doc
+    for where in [folder / arch] + ([folder / arch / device] if device else []):
+        for path in sorted(where.glob("*.json")):
+            doc = json.loads(path.read_text())
+            out[doc["family"]] = doc
     return out
 
 
-def pairs(a: Path, b: Path, arch: str, families: list[str] | None = None) -> list[dict]:
+def pairs(
+    a: Path, b: Path, arch: str, families: list[str] | None = None, device: str = ""
+) -> list[dict]:
     """Every (variant, bucket) tuned in both folders: its spec, bucket and the two configs."""
-    docs_a, docs_b = load(a, arch), load(b, arch)
+    docs_a, docs_b = load(a, arch, device), load(b, arch, device)
     out = []
     for family in sorted(set(docs_a) & set(docs_b)):
         if families and family not in families:
@@ -62,11 +69,13 @@ def pairs(a: Path, b: Path, arch: str, families: list[str] | None = None) -> lis
     return out
 
 
-def unpaired(a: Path, b: Path, arch: str, families: list[str] | None = None) -> dict:
+def unpaired(
+    a: Path, b: Path, arch: str, families: list[str] | None = None, device: str = ""
+) -> dict:
     """``{"a": [...], "b": [...]}``: the ``variant @ bucket`` entries only folder A (or only B)
     holds, which no row compares (a study with no result on one side, a variant one run did
     not tune)."""
-    docs_a, docs_b = load(a, arch), load(b, arch)
+    docs_a, docs_b = load(a, arch, device), load(b, arch, device)
 
     def keys(docs):
         return {
@@ -144,6 +153,10 @@ def main(argv=None) -> int:
     ap.add_argument("a", type=Path, help="tuned_configs folder A (the baseline)")
     ap.add_argument("b", type=Path, help="tuned_configs folder B")
     ap.add_argument("--arch", default="sm90")
+    ap.add_argument(
+        "--device", default="", help="a device folder (e.g. nvidia-h100-80gb-hbm3) whose files "
+        "replace each folder's arch files, as the ops load them on that GPU model",
+    )  # fmt: skip
     ap.add_argument("--family", help="comma-separated families (default: every one in both)")
     ap.add_argument("--rounds", type=int, default=3, help="alternated timings of each config")
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -151,12 +164,12 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     families = args.family.split(",") if args.family else None
-    rows = pairs(args.a, args.b, args.arch, families)
+    rows = pairs(args.a, args.b, args.arch, families, args.device)
     if not rows:
         print(f"no (variant, bucket) is tuned in both {args.a} and {args.b}", file=sys.stderr)
         return 1
     out = compare(rows, evaluator_factory(), args.rounds)
-    alone = unpaired(args.a, args.b, args.arch, families)
+    alone = unpaired(args.a, args.b, args.arch, families, args.device)
     for side in ("a", "b"):
         for entry in alone[side]:
             print(f"only in {side.upper()}: {entry}")

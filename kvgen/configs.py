@@ -2,7 +2,11 @@
 
 The loader is what the generated ops use at run time: it reads each (arch, family) file once
 per process, searching ``$KVGEN_TUNED_CONFIGS`` (a folder holding ``<arch>/<family>.json``)
-before the files shipped in the package, and picks the entry of the nearest shape bucket. A
+before the files shipped in the package, and picks the entry of the nearest shape bucket. In
+each of those folders a GPU model's own configs, ``<arch>/<device>/<family>.json`` (``device``:
+its name as CUDA reports it, lower case, other characters than letters and digits as ``-``,
+e.g. ``nvidia-h100-80gb-hbm3``), come before the arch's: GPUs of one arch differ in memory
+bandwidth and clocks, and a config tuned on one may be slower on another. A
 missing file or entry falls back to the template's defaults with one log line; a malformed
 file, an unknown ``schema_version``, an arch that does not match, or an entry outside the
 template's search space is a warning and a fallback, never a crash and never silently used.
@@ -15,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ from kvgen.space import SpaceError, load_space, parse_bucket_key
 SCHEMA_VERSION = 1
 OVERRIDE_ENV = "KVGEN_TUNED_CONFIGS"
 DISABLE_ENV = "KVGEN_DISABLE_TUNED"  # "1": always the template defaults (A/B comparisons)
+DEVICE_ENV = "KVGEN_TUNED_DEVICE"  # the device folder to look in first ("": none)
 use_tuned = os.environ.get(DISABLE_ENV, "0") != "1"
 log = logging.getLogger("kvgen")
 
@@ -33,8 +39,43 @@ _ENV_KEYS = ("arch", "cuda", "device", "kvgen", "torch", "triton")
 _PROVENANCE_KEYS = ("date", "sampler", "trials")
 
 
-def validate(doc: Any, arch: str | None = None, family: str | None = None) -> list[str]:
-    """Everything wrong with a tuned-config document (empty when it is valid)."""
+def device_folder(name: str) -> str:
+    """The folder of a GPU model's own configs, from its name as CUDA reports it:
+    ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def this_device() -> str:
+    """The device folder the loader looks in first: ``$KVGEN_TUNED_DEVICE`` when set (empty:
+    none), else the folder of the GPU model CUDA's current device is when first asked; empty
+    without a GPU."""
+    chosen = os.environ.get(DEVICE_ENV)
+    return _gpu_folder() if chosen is None else chosen
+
+
+@cache
+def _gpu_folder() -> str:
+    import torch
+
+    try:
+        return device_folder(torch.cuda.get_device_name()) if torch.cuda.is_available() else ""
+    except (AssertionError, RuntimeError):  # (a CUDA that cannot name its device: none)
+        return ""
+
+
+def _device_of(path: Path, arch: str | None) -> str | None:
+    """The device folder a file sits in (``<arch>/<device>/<family>.json``), or None."""
+    parent = path.parent
+    if arch is not None:
+        return parent.name if parent.parent.name == arch else None
+    return None
+
+
+def validate(
+    doc: Any, arch: str | None = None, family: str | None = None, device: str | None = None
+) -> list[str]:
+    """Everything wrong with a tuned-config document (empty when it is valid): ``arch``,
+    ``family`` and ``device`` (a device folder) are where the file sits."""
     errors: list[str] = []
     if not isinstance(doc, dict):
         return ["the document is not a JSON object"]
@@ -55,6 +96,10 @@ def validate(doc: Any, arch: str | None = None, family: str | None = None) -> li
         errors.append(f"env.arch is {env.get('arch')!r}, the file sits under {arch!r}")
     if family is not None and doc["family"] != family:
         errors.append(f"family is {doc['family']!r}, the file is named {family!r}")
+    if device is not None and isinstance(env, dict):
+        measured = device_folder(str(env.get("device", "")))
+        if measured != device:
+            errors.append(f"env.device is {env.get('device')!r}, the file sits under {device!r}")
     if not isinstance(entries, dict):
         return errors + ["entries must be an object"]
     for variant, buckets in entries.items():
@@ -86,39 +131,47 @@ def write(path: Path, doc: dict) -> None:
     write_source(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
-def folders(arch: str) -> list[Path]:
+def folders(arch: str, device: str = "") -> list[Path]:
     """Where the tuned configs of ``arch`` are looked for, first match first: the folder
-    ``$KVGEN_TUNED_CONFIGS/<arch>`` (when set), then the package's."""
-    out = []
+    ``$KVGEN_TUNED_CONFIGS/<arch>`` (when set), then the package's, each after its ``device``
+    subfolder (when a device folder is given)."""
+    roots = []
     override = os.environ.get(OVERRIDE_ENV)
     if override:
-        out.append(Path(override) / arch)
-    out.append(tuned_configs_dir() / arch)
-    return out
+        roots.append(Path(override) / arch)
+    roots.append(tuned_configs_dir() / arch)
+    return [f for root in roots for f in ([root / device] if device else []) + [root]]
 
 
-def _candidates(arch: str, family: str) -> list[Path]:
-    return [folder / f"{family}.json" for folder in folders(arch)]
+def _candidates(arch: str, family: str, device: str) -> list[Path]:
+    return [folder / f"{family}.json" for folder in folders(arch, device)]
 
 
 def files(arch: str) -> list[Path]:
-    """Every tuned-config file of ``arch`` (for ``kvgen show``), in search order."""
-    return [p for f in folders(arch) if f.is_dir() for p in sorted(f.glob("*.json"))]
+    """Every tuned-config file of ``arch`` (for ``kvgen show``): per folder in search order,
+    the arch's files, then those of each device folder."""
+    out = []
+    for root in folders(arch):
+        if root.is_dir():
+            out += sorted(root.glob("*.json")) + sorted(root.glob("*/*.json"))
+    return out
 
 
 def read(path: Path, arch: str | None = None) -> tuple[dict | None, list[str]]:
-    """A file's document and what is wrong with it (``validate``; unreadable: no document)."""
+    """A file's document and what is wrong with it (``validate``, with the device folder it
+    sits in under ``arch``; unreadable: no document)."""
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return None, [f"unreadable: {exc}"]
-    return doc, validate(doc, arch, path.stem)
+    return doc, validate(doc, arch, path.stem, _device_of(path, arch))
 
 
 def summary(arch: str, spec_class_of) -> tuple[list[dict], list[str]]:
     """``kvgen show``'s documents: per valid tuned-config file of ``arch`` its path, family,
     environment, provenance and ``rows`` (``spec_class_of(family)`` gives the spec class
-    ``rows`` needs); and what is wrong with each invalid file."""
+    ``rows`` needs) and ``device``: its device folder, or None for the arch's files (used on any
+    GPU of the arch that has no file of its own); and what is wrong with each invalid file."""
     docs, invalid = [], []
     for path in files(arch):
         doc, errors = read(path, arch)
@@ -128,6 +181,7 @@ def summary(arch: str, spec_class_of) -> tuple[list[dict], list[str]]:
         docs.append(
             {
                 "file": str(path),
+                "device": _device_of(path, arch),
                 "family": doc["family"],
                 "env": doc["env"],
                 "provenance": doc["provenance"],
@@ -175,11 +229,11 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
 
 
 @cache
-def _load(arch: str, family: str, override: str | None) -> tuple[Path | None, dict]:
+def _load(arch: str, family: str, override: str | None, device: str) -> tuple[Path | None, dict]:
     """(file, variant -> bucket key -> entry) from the first readable, valid file;
     (None, {}) when none."""
     del override  # part of the cache key only: a changed override folder reloads
-    for path in _candidates(arch, family):
+    for path in _candidates(arch, family, device):
         if not path.exists():
             continue
         doc, errors = read(path, arch)
@@ -232,9 +286,12 @@ def env_mismatch(env: dict) -> tuple[list[str], list[str]]:
     return hard, soft
 
 
-def table(arch: str, family: str, override: str | None = None) -> dict[str, dict[str, dict]]:
-    """variant -> bucket key -> entry, from the first readable, valid file; {} when none."""
-    return _load(arch, family, override)[1]
+def table(
+    arch: str, family: str, override: str | None = None, device: str | None = None
+) -> dict[str, dict[str, dict]]:
+    """variant -> bucket key -> entry, from the first readable, valid file (``device``: the
+    device folder to look in first; None: ``this_device()``); {} when none."""
+    return _load(arch, family, override, this_device() if device is None else device)[1]
 
 
 def tuned_name(spec) -> str:
@@ -292,7 +349,7 @@ def _debug_once(spec, size: dict[str, int], how: str, meta: dict[str, int]) -> N
 def _lookup(spec, size_items: tuple[tuple[str, int], ...]) -> dict[str, int]:
     size = dict(size_items)
     defaults = spec.default_meta(**size)
-    path, table_ = _load(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV))
+    path, table_ = _load(spec.arch, spec.family, os.environ.get(OVERRIDE_ENV), this_device())
     name = tuned_name(spec)
     entries = table_.get(name)
     if not entries:

@@ -213,12 +213,15 @@ def test_show_marks_the_decode_variant_each_bucket_uses():
     import json
 
     shown = json.loads(runner.invoke(app, ["show", "sm90", "--json"]).stdout)
-    decode = [r for f in shown["files"] if f["family"] == "mla_decode" for r in f["rows"]]
-    for bucket in {r["bucket"] for r in decode}:
-        at = [r for r in decode if r["bucket"] == bucket and "-d576-dv512-bf16-" in r["variant"]]
-        used = [r for r in at if r["used"]]
-        assert len(used) == 1, (bucket, at)
-        assert used[0]["time_us"] == min(r["time_us"] for r in at)
+    files = [f for f in shown["files"] if f["family"] == "mla_decode"]
+    assert [f["device"] for f in files] == [None, "nvidia-h100-80gb-hbm3"]  # each file alone
+    for decode in (f["rows"] for f in files):
+        for bucket in {r["bucket"] for r in decode}:
+            bf16 = [r for r in decode if "-d576-dv512-bf16-" in r["variant"]]
+            at = [r for r in bf16 if r["bucket"] == bucket]
+            used = [r for r in at if r["used"]]
+            assert len(used) == 1, (bucket, at)
+            assert used[0]["time_us"] == min(r["time_us"] for r in at)
     # families without a choice between variants: every entry is what its op uses
     stores = [r for f in shown["files"] if f["family"] == "store_mxfp4_mla" for r in f["rows"]]
     assert stores and all(r["used"] for r in stores)

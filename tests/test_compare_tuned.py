@@ -55,6 +55,22 @@ def test_two_folders_configs_timed_bucket_by_bucket(tmp_path, monkeypatch, capsy
     assert doc["summary"].endswith("; 0 only in A, 1 only in B")
 
 
+def test_device_files_replace_the_archs_with_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
+    a = _folder(tmp_path / "a", {"num_tokens=16": BEST})
+    b = _folder(tmp_path / "b", {"num_tokens=16": BEST})
+    (b / "sm90" / "nvidia-h200").mkdir()
+    (b / "sm90" / f"{SPEC.family}.json").rename(b / "sm90" / "nvidia-h200" / f"{SPEC.family}.json")
+    _folder(b, {"num_tokens=16": SLOWER})  # the arch's file, which the device's replaces
+    out = tmp_path / "cmp.json"
+    assert compare_tuned.main([str(a), str(b), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["ratio"] == pytest.approx(
+        fake.cost(SLOWER) / fake.cost(BEST)
+    )
+    assert compare_tuned.main([str(a), str(b), "--device", "nvidia-h200", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rows"][0]["same"]
+
+
 def test_nothing_in_common_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
     a = _folder(tmp_path / "a", {"num_tokens=16": BEST})

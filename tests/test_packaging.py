@@ -30,7 +30,10 @@ def test_every_tuned_configs_folder_is_a_listed_package():
     for folder in folders:
         name = f"kvgen.tuned_configs.{folder.name}"
         assert name in tool["packages"], f"{name} missing from pyproject's packages"
-        assert tool["package-data"].get(name) == ["*.json"], name
+        # a GPU model's own files sit one folder down (tuned_configs/<arch>/<device>/)
+        devices = [d for d in folder.iterdir() if d.is_dir()]
+        want = ["*.json", "*/*.json"] if devices else ["*.json"]
+        assert tool["package-data"].get(name) == want, name
 
 
 def test_installed_package_carries_its_data_and_markers():
@@ -38,6 +41,8 @@ def test_installed_package_carries_its_data_and_markers():
     assert root.joinpath("py.typed").is_file()
     configs = importlib.resources.files("kvgen.tuned_configs").joinpath("sm90")
     assert any(p.name.endswith(".json") for p in configs.iterdir())
+    h100 = configs.joinpath("nvidia-h100-80gb-hbm3")
+    assert any(p.name.endswith(".json") for p in h100.iterdir())
     templates = importlib.resources.files("kvgen.templates")
     assert templates.joinpath("mla_decode.py.j2").is_file()
 

@@ -967,3 +967,21 @@ def test_the_worker_s_guard_keeps_the_evaluator_s_re_timing(monkeypatch):
     assert getattr(guarded, "confirm", guarded)({"num_warps": 1}) == 2.0
     assert calls == ["trial", "confirm", "confirm"]
     assert not hasattr(parallel._guarded(lambda meta: 3.0), "confirm")
+
+
+def test_a_per_device_tune_writes_its_gpu_models_own_file(tmp_path, two_fake_gpus, monkeypatch):
+    """`kvgen tune --per-device` writes <out>/<arch>/<device>/<family>.json, the folder named
+    after the GPU the run's environment records, and not the arch's file."""
+    from kvgen import configs
+    from kvgen.bench import harness
+
+    env = {**ENV, "device": "NVIDIA H200"}
+    monkeypatch.setattr(harness, "environment", lambda commit=None: dict(env))
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    result = _kvgen(*_tune_args(tmp_path, "16", "1"), "--per-device")
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "out" / "sm90" / "nvidia-h200" / f"{SPEC.family}.json"
+    doc = json.loads(path.read_text())
+    assert configs.validate(doc, "sm90", SPEC.family, "nvidia-h200") == []
+    assert "num_tokens=16" in doc["entries"][SPEC.name]
+    assert not (tmp_path / "out" / "sm90" / f"{SPEC.family}.json").exists()

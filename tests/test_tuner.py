@@ -518,14 +518,37 @@ def test_written_json_is_valid_sorted_and_atomic(tmp_path):
         configs.write(path, {"schema_version": 1})
 
 
+def test_a_device_folder_is_written_for_its_own_gpu_only(tmp_path):
+    meta = {"rows_per_program": 8, "num_warps": 2, "num_stages": 1}
+    env = {**ENV, "device": "NVIDIA H100 80GB HBM3"}
+    folder = configs.device_folder(env["device"])
+    assert folder == "nvidia-h100-80gb-hbm3"
+    path = tuner.write_results(tmp_path, "sm90", SPEC.family, [_result(meta)], env, "tpe", 10,
+                               folder)  # fmt: skip
+    assert path == tmp_path / "sm90" / folder / f"{SPEC.family}.json"
+    doc = json.loads(path.read_text())
+    assert configs.validate(doc, "sm90", SPEC.family, folder) == []
+    assert configs.validate(doc, "sm90", SPEC.family, "nvidia-h200") == [
+        "env.device is 'NVIDIA H100 80GB HBM3', the file sits under 'nvidia-h200'"
+    ]
+    with pytest.raises(ValueError, match="not 'nvidia-h200'"):
+        tuner.write_results(tmp_path, "sm90", SPEC.family, [_result(meta)], env, "tpe", 10,
+                            "nvidia-h200")  # fmt: skip
+    assert not (tmp_path / "sm90" / "nvidia-h200").exists()
+
+
 def test_committed_configs_match_the_schema():
     from kvgen import registry
     from kvgen._resources import tuned_configs_dir
 
-    for path in tuned_configs_dir().glob("*/*.json"):
+    paths = [*tuned_configs_dir().glob("*/*.json"), *tuned_configs_dir().glob("*/*/*.json")]
+    assert any(p.parent.parent.name == "sm90" for p in paths)  # a GPU model's own files
+    for path in paths:
         doc = json.loads(path.read_text())
-        arch = path.parent.name
-        assert configs.validate(doc, arch, path.stem) == [], path
+        in_device = path.parent.parent.name != tuned_configs_dir().name
+        arch = path.parent.parent.name if in_device else path.parent.name
+        device = path.parent.name if in_device else None
+        assert configs.validate(doc, arch, path.stem, device) == [], path
         for variant, buckets in doc["entries"].items():
             # a GPU variant of this arch and of the file's family
             (spec,) = registry.lookup([variant], arch, "gpu")
@@ -663,6 +686,66 @@ def test_packaged_configs_are_used_below_the_override(override, monkeypatch, tmp
     assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 8
     monkeypatch.setattr(configs, "use_tuned", False)  # KVGEN_DISABLE_TUNED=1
     assert configs.meta_params(SPEC, num_tokens=65536) == SPEC.default_meta(num_tokens=65536)
+
+
+def _device_config(root, device, rows, measured_on=None):
+    """A config in ``root/sm90/device/`` (measured on ``measured_on``, default the GPU model
+    the folder is named after) whose entries have ``rows_per_program`` ``rows``."""
+    names = {"nvidia-h100-80gb-hbm3": "NVIDIA H100 80GB HBM3", "nvidia-h200": "NVIDIA H200"}
+    env = {**ENV, "arch": "sm90", "device": measured_on or names[device]}
+    path = _config(root / "_new", meta={"rows_per_program": rows, "num_warps": 2,
+                                         "num_stages": 1}, env=env)  # fmt: skip
+    (root / "sm90" / device).mkdir(parents=True, exist_ok=True)
+    return path.rename(root / "sm90" / device / path.name)
+
+
+def test_a_gpu_models_own_configs_come_before_the_archs(override, monkeypatch, tmp_path):
+    packaged = tmp_path / "packaged"
+    _config(packaged, meta={"rows_per_program": 16, "num_warps": 2, "num_stages": 1})
+    _device_config(packaged, "nvidia-h100-80gb-hbm3", 1)
+    _device_config(packaged, "nvidia-h200", 2)
+
+    def rows_on(device):
+        monkeypatch.setenv(configs.DEVICE_ENV, device)
+        configs.reset()
+        return configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"]
+
+    assert rows_on("nvidia-h100-80gb-hbm3") == 1
+    assert rows_on("nvidia-h200") == 2
+    assert rows_on("nvidia-a100-sxm4-80gb") == 16  # no folder of its own: the arch's
+    assert rows_on("") == 16  # none (no GPU)
+    monkeypatch.delenv(configs.DEVICE_ENV)
+    monkeypatch.setattr(configs, "_gpu_folder", lambda: "nvidia-h200")  # CUDA's device name
+    configs.reset()
+    assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 2
+    arch_only = configs.table("sm90", SPEC.family, device="")[SPEC.name]
+    assert arch_only["num_tokens=65536"]["meta"]["rows_per_program"] == 16
+    # the override folder's arch file comes before the package's device files
+    _config(override)
+    assert rows_on("nvidia-h200") == 8
+    # kvgen show lists every file, each with its device folder
+    files = configs.files("sm90")
+    assert [(p.parent.name, p.name) for p in files[-3:]] == [
+        ("sm90", f"{SPEC.family}.json"),
+        ("nvidia-h100-80gb-hbm3", f"{SPEC.family}.json"),
+        ("nvidia-h200", f"{SPEC.family}.json"),
+    ]
+    docs, invalid = configs.summary("sm90", lambda family: None)
+    assert invalid == []
+    assert [d["device"] for d in docs] == [None, None, "nvidia-h100-80gb-hbm3", "nvidia-h200"]
+
+
+def test_a_device_folder_holding_another_gpus_file_is_ignored(override, monkeypatch, caplog):
+    _config(override, meta={"rows_per_program": 16, "num_warps": 2, "num_stages": 1})
+    _device_config(override, "nvidia-h200", 2, measured_on="NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv(configs.DEVICE_ENV, "nvidia-h200")
+    configs.reset()
+    with caplog.at_level(logging.WARNING, logger="kvgen"):
+        assert configs.meta_params(SPEC, num_tokens=65536)["rows_per_program"] == 16
+    assert any(
+        "ignoring" in r.getMessage() and "the file sits under 'nvidia-h200'" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_an_entry_that_breaks_a_constraint_of_the_space_is_not_used(override, caplog):

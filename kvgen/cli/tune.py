@@ -47,6 +47,15 @@ def tune_cmd(
     out: Annotated[
         Path | None, opt("tuned_configs folder to write (default: the package's).")
     ] = None,
+    per_device: Annotated[
+        bool,
+        opt(
+            "Write this GPU model's own files, <out>/<arch>/<device>/<family>.json (e.g. "
+            "sm90/nvidia-h100-80gb-hbm3/), which the ops prefer on GPUs of that model, "
+            "rather than the arch's <out>/<arch>/<family>.json.",
+            "--per-device/--per-arch",
+        ),
+    ] = False,
     force: Annotated[bool, opt("Tune although this GPU is not --arch.")] = False,
     families: Annotated[
         str | None,
@@ -135,7 +144,7 @@ def tune_cmd(
         raise fail(f"this GPU is {local_target()[0]}, not {arch}; pass --force to tune anyway")
     opts = tune_run.Options(
         arch, storage, sampler, trials, timeout, jobs, confirm, out, patience, min_gain,
-        compile_beside,
+        compile_beside, per_device,
     )  # fmt: skip
     try:
         tune_run.start(

@@ -41,6 +41,7 @@ class Options:
     min_gain: float = MIN_GAIN
     # compile beside the workers (compile only, no launch) rather than before them
     compile_beside: bool = True
+    per_device: bool = False  # write into <out>/<arch>/<this GPU's device folder>/
 
     @property
     def stop(self) -> tuner.StopRule:
@@ -205,9 +206,11 @@ def run(
         if not any(r.meta is not None for r in rs):  # (e.g. --timeout spent before any trial)
             log(f"{family}: no study has a result yet, nothing written (re-run to resume)")
             continue
+        device = configs.device_folder(str(env.get("device", ""))) if opts.per_device else ""
         path = tuner.write_results(
-            opts.out or tuned_configs_dir(), opts.arch, family, rs, env, opts.sampler, opts.trials
-        )
+            opts.out or tuned_configs_dir(), opts.arch, family, rs, env, opts.sampler,
+            opts.trials, device,
+        )  # fmt: skip
         log(f"wrote {path}")
         written.append(path)
     left = 0  # studies not done, where a GPU's worker died for good

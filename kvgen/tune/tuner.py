@@ -1086,14 +1086,17 @@ def write_results(
     env: dict,
     sampler: str,
     n_trials: int,
+    device: str = "",
 ) -> Path:
-    """Merge ``results`` into ``out_dir/<arch>/<family>.json`` (atomic, keys sorted)."""
-    path = out_dir / arch / f"{family}.json"
+    """Merge ``results`` into ``out_dir/<arch>/<family>.json``, or with ``device`` (a device
+    folder, ``configs.device_folder``) into ``out_dir/<arch>/<device>/<family>.json`` (atomic,
+    keys sorted)."""
+    path = out_dir / arch / device / f"{family}.json"  # (an empty device adds no folder)
     entries: dict[str, dict] = {}
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            if not configs.validate(old, arch, family):
+            if not configs.validate(old, arch, family, device or None):
                 entries = old["entries"]
         except ValueError:
             pass
@@ -1123,5 +1126,7 @@ def write_results(
         },
         "entries": entries,
     }
+    if device and configs.device_folder(str(env.get("device", ""))) != device:
+        raise ValueError(f"results measured on {env.get('device')!r} are not {device!r}'s")
     configs.write(path, doc)
     return path
