@@ -674,6 +674,11 @@ def test_tune_command_on_one_gpu_runs_its_trials_in_a_worker(tmp_path, two_fake_
     assert result.exit_code == 0, result.output
     assert "on 1 GPU(s)" in result.output and "[gpu fake0]" in result.output
     assert "re-timed in" in result.output
+    # the line names each re-timed config's median beside its trial's reading, best first
+    line = next(x for x in result.output.splitlines() if "re-timed in" in x)
+    medians = [float(m) for m in re.findall(r"([\d.]+) us \{", line)]
+    assert len(medians) >= 2 and medians == sorted(medians)
+    assert line.count("(trial ") == len(medians)
     # each study's time in the worker from end to end, and its part before the trials
     in_all = re.findall(r"@ num_tokens=\d+: ([\d.]+) s in all \(([\d.]+) s opening", result.output)
     assert len(in_all) == 1 and all(float(a) >= float(o) for a, o in in_all)  # (one bucket)

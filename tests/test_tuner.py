@@ -1018,6 +1018,16 @@ def test_confirm_retimes_the_best_and_drops_a_lucky_trial(override, storage, tmp
     assert tuner.CONFIRM_MARGIN == 0.10
     assert sorted(fake_time(m) for m in SPACE.feasible(SPEC))[1] > fake_time(true_best) * 1.10
     assert seen == [lucky, true_best, true_best, lucky, lucky, true_best]
+    # what the choice rests on, fastest median first, beside each config's trial reading
+    assert c.retimed == (
+        (true_best, fake_time(true_best), fake_time(true_best)),
+        (lucky, fake_time(lucky), fake_time(true_best) * 0.98),
+    )
+    recorded = tuner.confirm(SPEC, BUCKET, storage, noisy, top=3, rounds=3, record=True)
+    study = tuner.load_study(SPEC, BUCKET, storage)
+    assert study.user_attrs["confirmed"]["retimed"] == [
+        {"meta": m, "median_us": med, "trial_us": trial} for m, med, trial in recorded.retimed
+    ]
     # the study itself is unchanged, and the JSON records the re-timing
     assert tuner.load_result(SPEC, BUCKET, storage).meta == lucky
     doc_path = tuner.write_results(tmp_path, "sm90", SPEC.family, [c], ENV, "grid", 1000)

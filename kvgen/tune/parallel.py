@@ -433,9 +433,14 @@ def _confirm_here(
         return  # a trial still running elsewhere: the coordinator confirms after the workers
     r = tuner.confirm(spec, bucket, storage, evaluate, top=plan.confirm, stop=stop, record=True)
     if r is not None and r.confirm_rounds:
+        # each re-timed config's median beside its trial's reading: what the choice rests on
+        each = [
+            f"{med:.2f} us {m}" + (f" (trial {trial:.2f})" if trial is not None else "")
+            for m, med, trial in r.retimed
+        ] or [f"{r.time_us:.2f} us {r.meta}"]
         log(
             f"{spec.name} @ {tuner.bucket_key(bucket)}: re-timed in {time.monotonic() - t0:.1f} s,"
-            f" best {r.time_us:.2f} us {r.meta}"
+            f" best {'; '.join(each)}"
         )
 
 

@@ -55,6 +55,9 @@ class StudyResult:
     confirm_rounds: int = 0  # >0: time_us / default_time_us are medians of this many re-timings
     stopped_early: bool = False  # ended by its StopRule before its budget
     wall_s: float | None = None  # what the study cost its workers (record_wall_time), if known
+    # the configs confirm() re-timed: (meta, median of its re-timings in us, its trial's
+    # reading in us or None), fastest median first
+    retimed: tuple[tuple[dict[str, Any], float, float | None], ...] = ()
 
 
 # Heartbeats let the workers of several hosts sharing a database fail the running trial of a
@@ -938,6 +941,11 @@ def confirm(
         else:
             best = min(medians, key=lambda i: (medians[i], i))  # ties: the study's order
             default_i = next((i for i in medians if candidates[i] == default), None)
+            reading = {_point_key(c): v for c, v in zip(configs, values, strict=True)}
+            retimed = tuple(
+                (candidates[i], medians[i], reading.get(_point_key(candidates[i])))
+                for i in sorted(medians, key=lambda i: (medians[i], i))
+            )
             final = dataclasses.replace(
                 result,
                 meta=candidates[best],
@@ -946,6 +954,7 @@ def confirm(
                     medians[default_i] if default_i is not None else result.default_time_us
                 ),
                 confirm_rounds=rounds,
+                retimed=retimed,
             )
     if record:
         done_now = finished(study.get_trials(deepcopy=False))
@@ -958,6 +967,11 @@ def confirm(
                 "time_us": final.time_us,
                 "default_time_us": final.default_time_us,
                 "confirm_rounds": final.confirm_rounds,
+                # what the choice was made from: each re-timed config's median and trial
+                "retimed": [
+                    {"meta": m, "median_us": med, "trial_us": trial}
+                    for m, med, trial in final.retimed
+                ],
             },
         )
     return final
@@ -1006,6 +1020,7 @@ def stored_confirmation(
         time_us=kept["time_us"],
         default_time_us=kept["default_time_us"],
         confirm_rounds=kept["confirm_rounds"],
+        retimed=tuple((e["meta"], e["median_us"], e["trial_us"]) for e in kept.get("retimed", ())),
     )
 
 
