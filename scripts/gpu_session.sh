@@ -232,7 +232,10 @@ case "${1:-tests}" in
       python3 -P -m kvgen tune --arch sm90 "${names[@]}" --out "$tuned" \
         --storage "/tmp/kvgen-tune-$fam.journal" 2>&1 | tee "$out/tune-$fam-$day.log" |
         grep -E "^(tuning|progress|workers done|wrote|  \[)" || rc=1
-      cp "$tuned/sm90/$fam.json" "$out/" 2>/dev/null || true
+      # the file the tune wrote: the GPU model's own where the package has its folder (the
+      # loader, and so the bench below, reads that one first), else the arch's
+      written=$(sed -n "s/^wrote \(.*\/$fam\.json\)$/\1/p" "$out/tune-$fam-$day.log" | tail -n 1)
+      [ -n "$written" ] && cp "$written" "$out/" || true
     fi
     ops=${KVGEN_BENCH_OPS-$fam}  # (set and empty: no bench)
     if [ -n "$ops" ]; then

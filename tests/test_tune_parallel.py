@@ -990,3 +990,26 @@ def test_a_per_device_tune_writes_its_gpu_models_own_file(tmp_path, two_fake_gpu
     assert configs.validate(doc, "sm90", SPEC.family, "nvidia-h200") == []
     assert "num_tokens=16" in doc["entries"][SPEC.name]
     assert not (tmp_path / "out" / "sm90" / f"{SPEC.family}.json").exists()
+
+
+def test_a_tune_writes_the_gpu_models_folder_where_it_exists_unless_told_otherwise(
+    tmp_path, two_fake_gpus, monkeypatch
+):
+    """Without --per-device / --per-arch a tune writes the GPU model's own file where the out
+    folder has that model's folder (the loader reads it first on that model: a fresh tune of
+    the arch's file would be shadowed there), else the arch's; --per-arch writes the arch's."""
+    from kvgen.bench import harness
+
+    env = {**ENV, "device": "NVIDIA H200"}
+    monkeypatch.setattr(harness, "environment", lambda commit=None: dict(env))
+    monkeypatch.setenv("KVGEN_FAKE_WORKERS", "1")
+    arch_file = tmp_path / "out" / "sm90" / f"{SPEC.family}.json"
+    own_file = tmp_path / "out" / "sm90" / "nvidia-h200" / f"{SPEC.family}.json"
+    assert _kvgen(*_tune_args(tmp_path, "16", "1")).exit_code == 0
+    assert arch_file.exists() and not own_file.exists()  # no model folder: the arch's
+    arch_file.unlink()
+    own_file.parent.mkdir()
+    assert _kvgen(*_tune_args(tmp_path, "16", "1")).exit_code == 0
+    assert own_file.exists() and not arch_file.exists()
+    assert _kvgen(*_tune_args(tmp_path, "16", "1"), "--per-arch").exit_code == 0
+    assert arch_file.exists()

@@ -48,14 +48,16 @@ def tune_cmd(
         Path | None, opt("tuned_configs folder to write (default: the package's).")
     ] = None,
     per_device: Annotated[
-        bool,
+        bool | None,
         opt(
             "Write this GPU model's own files, <out>/<arch>/<device>/<family>.json (e.g. "
-            "sm90/nvidia-h100-80gb-hbm3/), which the ops prefer on GPUs of that model, "
-            "rather than the arch's <out>/<arch>/<family>.json.",
+            "sm90/nvidia-h100-80gb-hbm3/), which the ops prefer on GPUs of that model, or the "
+            "arch's, <out>/<arch>/<family>.json. Default: the model's where its folder exists "
+            "(the package ships one for the H100), else the arch's.",
             "--per-device/--per-arch",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     force: Annotated[bool, opt("Tune although this GPU is not --arch.")] = False,
     families: Annotated[
         str | None,

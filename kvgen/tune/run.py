@@ -41,7 +41,8 @@ class Options:
     min_gain: float = MIN_GAIN
     # compile beside the workers (compile only, no launch) rather than before them
     compile_beside: bool = True
-    per_device: bool = False  # write into <out>/<arch>/<this GPU's device folder>/
+    # write into <out>/<arch>/<this GPU's device folder>/ (None: where that folder exists)
+    per_device: bool | None = None
 
     @property
     def stop(self) -> tuner.StopRule:
@@ -206,10 +207,14 @@ def run(
         if not any(r.meta is not None for r in rs):  # (e.g. --timeout spent before any trial)
             log(f"{family}: no study has a result yet, nothing written (re-run to resume)")
             continue
-        device = configs.device_folder(str(env.get("device", ""))) if opts.per_device else ""
+        out = opts.out or tuned_configs_dir()
+        device = configs.device_folder(str(env.get("device", "")))
+        per_device = opts.per_device
+        if per_device is None:  # (the loader reads that folder first on this GPU model)
+            per_device = bool(device) and (out / opts.arch / device).is_dir()
         path = tuner.write_results(
-            opts.out or tuned_configs_dir(), opts.arch, family, rs, env, opts.sampler,
-            opts.trials, device,
+            out, opts.arch, family, rs, env, opts.sampler, opts.trials,
+            device if per_device else "",
         )  # fmt: skip
         log(f"wrote {path}")
         written.append(path)
