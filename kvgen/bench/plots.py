@@ -188,7 +188,9 @@ def show_plot(arch: str, docs: list[dict], path: Path) -> Path:
         ax.set_yscale("log")
         speedups = sorted(r["speedup"] for r in rows)
         median = speedups[len(speedups) // 2]
-        ax.set_title(f"{d['family']}: {len(rows)} entries, median x{median:.2f}", fontsize=10)
+        # (a GPU model's own file beside the arch's: its device folder names the panel)
+        name = d["family"] + (f" ({d['device']})" if d.get("device") else "")
+        ax.set_title(f"{name}: {len(rows)} entries, median x{median:.2f}", fontsize=10)
         ax.set_xlabel("template default, us")
         ax.set_ylabel("tuned, us")
         ax.grid(True, which="both", alpha=0.3)
