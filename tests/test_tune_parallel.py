@@ -474,18 +474,12 @@ def test_a_tune_on_a_real_gpu_survives_a_kernel_that_faults(tmp_path, monkeypatc
     assert entry["trials"] == len(SPACE.points()) and entry["failed_trials"] == 1
 
 
-def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
-    """Killed with its coordinator (the whole host went down): the next run fails its trial."""
-    journal = str(tmp_path / "tune.journal")
-    log = tmp_path / "evals.log"
-    _prepare(journal, "tpe", 8)
-    plan = parallel.Plan(
-        jobs=[(SPEC, b) for b in BUCKETS],
-        storage=journal,
-        sampler="tpe",
-        n_trials=8,
-        evaluator=FAKE,
-    )
+def _a_worker_killed_at_its_third_trial(storage: str, log: Path, tmp_path: Path) -> None:
+    """A worker process of an 8-trial TPE plan over BUCKETS, on ``storage``, that dies by
+    SIGKILL in its third trial (as its whole host would), leaving that trial RUNNING."""
+    _prepare(storage, "tpe", 8)
+    plan = parallel.Plan(jobs=[(SPEC, b) for b in BUCKETS], storage=storage, sampler="tpe",
+                         n_trials=8, evaluator=FAKE)  # fmt: skip
     plan_file = tmp_path / "plan.pkl"
     plan_file.write_bytes(pickle.dumps(plan))
     p = subprocess.run(
@@ -493,7 +487,14 @@ def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
         env={**os.environ, **_env(log, die_at=3)},
         capture_output=True,
     )
-    assert p.returncode == -9
+    assert p.returncode == -9, p.stdout
+
+
+def test_a_worker_of_a_dead_run_is_failed_on_resume(tmp_path):
+    """Killed with its coordinator (the whole host went down): the next run fails its trial."""
+    journal = str(tmp_path / "tune.journal")
+    log = tmp_path / "evals.log"
+    _a_worker_killed_at_its_third_trial(journal, log, tmp_path)
     store = tuner.storage_from(journal, Path(journal))
     study = _study(store, BUCKETS[0])
     assert len(study.get_trials(states=(optuna.trial.TrialState.RUNNING,))) == 1
@@ -550,22 +551,7 @@ def test_postgres_dead_host_trial_failed_by_heartbeat(tmp_path, postgres_url, mo
     monkeypatch.setenv("KVGEN_TUNE_GRACE_S", "2")  # for the worker processes
     monkeypatch.setenv("KVGEN_TUNE_HEARTBEAT_S", "1")
     log = tmp_path / "evals.log"
-    _prepare(postgres_url, "tpe", 8)
-    plan = parallel.Plan(
-        jobs=[(SPEC, b) for b in BUCKETS],
-        storage=postgres_url,
-        sampler="tpe",
-        n_trials=8,
-        evaluator=FAKE,
-    )
-    plan_file = tmp_path / "plan.pkl"
-    plan_file.write_bytes(pickle.dumps(plan))
-    p = subprocess.run(
-        [sys.executable, "-m", "kvgen.tune.worker", str(plan_file)],
-        env={**os.environ, **_env(log, die_at=3)},
-        capture_output=True,
-    )
-    assert p.returncode == -9, p.stdout
+    _a_worker_killed_at_its_third_trial(postgres_url, log, tmp_path)
     time.sleep(3)  # the grace period passes
     store, exits, lines = _run(postgres_url, "tpe", 8, log, workers=2)
     assert all(e.returncode == 0 for e in exits), lines
