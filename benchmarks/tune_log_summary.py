@@ -13,7 +13,9 @@ built (opening the study in the storage, its warm start): "in all" less "total",
 and "opening" is the study's clean-up and bookkeeping (logs that say so). "studies" counts
 each study once; "again" its later lines (the local search's second pass, or runs of the same
 journal); "oom retries" the trials tried again after running out of GPU memory, "lost" those
-given up (their points queued again).
+given up (their points queued again); "overruled" the re-timings that chose a config other than
+the one whose trial read fastest among those re-timed (logs that give each re-timed config's
+trial reading).
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ STUDY = re.compile(
 OOM_RETRY = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: out of GPU memory in a trial")
 LOST = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: a trial lost")
 RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
+TRIAL_READING = re.compile(r"\(trial (?P<us>[\d.]+)\)")  # each re-timed config's, chosen first
 IN_ALL = re.compile(
     r"\[gpu \S+\] (?P<name>\S+) @ \S+: (?P<all>[\d.]+) s in all \((?P<open>[\d.]+) s opening"
 )
 PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
 COLUMNS = ("studies", "again", "trials", "total", "building inputs", "first check", "check",
            "timing", "re-timing", "compiled", "cached", "compiling", "in all", "opening",
-           "oom retries", "lost")  # fmt: skip
-COUNTS = ("studies", "again", "trials", "compiled", "cached", "oom retries", "lost")
+           "oom retries", "lost", "overruled")  # fmt: skip
+COUNTS = ("studies", "again", "trials", "compiled", "cached", "oom retries", "lost", "overruled")
 
 
 def summarize(lines) -> dict[str, dict[str, float]]:
@@ -58,7 +61,11 @@ def summarize(lines) -> dict[str, dict[str, float]]:
                     if p["k"] in row:
                         row[p["k"]] += float(p["v"])
         elif m := RETIMED.search(line):
-            out[m["name"].split("-")[0]]["re-timing"] += float(m["s"])
+            row = out[m["name"].split("-")[0]]
+            row["re-timing"] += float(m["s"])
+            readings = [float(r["us"]) for r in TRIAL_READING.finditer(line)]
+            if len(readings) >= 2 and readings[0] > min(readings):
+                row["overruled"] += 1
         elif m := OOM_RETRY.search(line):
             out[m["name"].split("-")[0]]["oom retries"] += 1
         elif m := LOST.search(line):
