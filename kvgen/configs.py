@@ -65,10 +65,7 @@ def _gpu_folder() -> str:
 
 def _device_of(path: Path, arch: str | None) -> str | None:
     """The device folder a file sits in (``<arch>/<device>/<family>.json``), or None."""
-    parent = path.parent
-    if arch is not None:
-        return parent.name if parent.parent.name == arch else None
-    return None
+    return path.parent.name if arch is not None and path.parent.parent.name == arch else None
 
 
 def validate(
@@ -123,9 +120,10 @@ def validate(
     return errors
 
 
-def write(path: Path, doc: dict) -> None:
-    """Write a config atomically, keys sorted (clean diffs), after checking it."""
-    errors = validate(doc)
+def write(path: Path, doc: dict, device: str | None = None) -> None:
+    """Write a config atomically, keys sorted (clean diffs), after checking it (with
+    ``device``: that it was measured on that device folder's GPU model)."""
+    errors = validate(doc, device=device)
     if errors:
         raise ValueError(f"refusing to write an invalid config {path}: {errors}")
     write_source(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")

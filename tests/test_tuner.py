@@ -534,7 +534,7 @@ def test_a_device_folder_is_written_for_its_own_gpu_only(tmp_path):
     assert configs.validate(doc, "sm90", SPEC.family, "nvidia-h200") == [
         "env.device is 'NVIDIA H100 80GB HBM3', the file sits under 'nvidia-h200'"
     ]
-    with pytest.raises(ValueError, match="not 'nvidia-h200'"):
+    with pytest.raises(ValueError, match="the file sits under 'nvidia-h200'"):
         tuner.write_results(tmp_path, "sm90", SPEC.family, [_result(meta)], env, "tpe", 10,
                             "nvidia-h200")  # fmt: skip
     assert not (tmp_path / "sm90" / "nvidia-h200").exists()

@@ -437,7 +437,7 @@ def _confirm_here(
         each = [
             f"{med:.2f} us {m}" + (f" (trial {trial:.2f})" if trial is not None else "")
             for m, med, trial in r.retimed
-        ] or [f"{r.time_us:.2f} us {r.meta}"]
+        ]
         log(
             f"{spec.name} @ {tuner.bucket_key(bucket)}: re-timed in {time.monotonic() - t0:.1f} s,"
             f" best {'; '.join(each)}"

@@ -203,15 +203,15 @@ def run(
         log(describe(r, f"[{i}/{len(studies)}] {st.spec.name} @ {tuner.bucket_key(st.bucket)}"))
         results.setdefault(st.spec.family, []).append(r)
     written = []
+    out = opts.out or tuned_configs_dir()
+    device = configs.device_folder(str(env.get("device", "")))
+    per_device = opts.per_device
+    if per_device is None:  # (the loader reads that folder first on this GPU model)
+        per_device = bool(device) and (out / opts.arch / device).is_dir()
     for family, rs in results.items():
         if not any(r.meta is not None for r in rs):  # (e.g. --timeout spent before any trial)
             log(f"{family}: no study has a result yet, nothing written (re-run to resume)")
             continue
-        out = opts.out or tuned_configs_dir()
-        device = configs.device_folder(str(env.get("device", "")))
-        per_device = opts.per_device
-        if per_device is None:  # (the loader reads that folder first on this GPU model)
-            per_device = bool(device) and (out / opts.arch / device).is_dir()
         path = tuner.write_results(
             out, opts.arch, family, rs, env, opts.sampler, opts.trials,
             device if per_device else "",

@@ -1141,7 +1141,5 @@ def write_results(
         },
         "entries": entries,
     }
-    if device and configs.device_folder(str(env.get("device", ""))) != device:
-        raise ValueError(f"results measured on {env.get('device')!r} are not {device!r}'s")
-    configs.write(path, doc)
+    configs.write(path, doc, device or None)
     return path
