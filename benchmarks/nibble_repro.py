@@ -11,9 +11,12 @@ same K without some of those steps (the kernel's docstring), to tell which step 
 wrong. On an H100 (``results/sm90/nibble-repro-forms-h100-2026-12-06.txt``) O is wrong at 16
 keys and 16- or 32-row tiles (and 64 rows at 2 warps) for the nibbles and asm forms, S right
 everywhere; the join, gather and direct forms are right at every tile. The flat and unscaled
-forms (the nibbles' join without the 3-D reshape, and without the scale) tell those two steps
-apart. A form Triton fails to build (the join form at 64-row tiles and 4 or 8 warps: its
-TritonGPUOptimizeDotOperands pass fails) prints BUILD FAILED and the run goes on.
+forms (the nibbles' join without the 3-D reshape, and without the scale) are wrong at the same
+tiles (``results/sm90/nibble-repro-flat-unscaled-h100-2026-12-06.txt``): neither the reshape
+around the scale nor the scale product is the trigger, but the join of the int32 nibbles and
+their levels, where a join of two fp16 halves is right. A form Triton fails to build (the
+join form at 64-row tiles and 4 or 8 warps: its TritonGPUOptimizeDotOperands pass fails) prints
+BUILD FAILED and the run goes on.
 
     python -P benchmarks/nibble_repro.py [--forms nibbles asm join gather direct flat unscaled]
 """
