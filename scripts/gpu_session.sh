@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # What a change that touches kernels runs on a GPU machine, written under ${OUT:-gpu-out}/:
-#   scripts/gpu_session.sh tests   the test suite (xdist) and the sanitizer (scripts/gpu_check.sh)
+#   scripts/gpu_session.sh tests [K/N] the test suite (xdist) and the sanitizer
+#                                  (scripts/gpu_check.sh); with K/N only the K-th of N like
+#                                  shares of the tests (pytest --shard, tests/conftest.py) and
+#                                  no sanitizer, in $out/gpu-tests-<day>-K-of-N.log: a suite
+#                                  longer than one call run as N calls
 #   scripts/gpu_session.sh fuzz [N] the property-based (hypothesis) suites, tests/test_*_fuzz.py, at
 #                                  N examples a test (default 300; CI runs 30 under the
 #                                  interpreter), one process a file side by side, with
@@ -103,12 +107,15 @@ tuned=${KVGEN_TUNE_OUT:-/tmp/kvgen-tuned}
 tag=${KVGEN_TUNE_TAG:+$KVGEN_TUNE_TAG-}  # names a tune's log and tar apart from another's
 case "${1:-tests}" in
   tests)
+    shard=${2:-}
+    log=$out/gpu-tests-$day${shard:+-${shard%/*}-of-${shard#*/}}.log
     # -v: each test's outcome as it ends, so that a call cut short still names its failures;
     # --durations: where the suite's time goes
-    python3 -P -m pytest -v -n 8 -p no:cacheprovider --durations=25 tests 2>&1 |
-      tee "$out/gpu-tests-$day.log" | grep -v " PASSED \| SKIPPED " |
-      tail -n 25 || rc=1
-    PYTHON=python3 scripts/gpu_check.sh "$out/gpu-check-$day.txt" || rc=1
+    python3 -P -m pytest -v -n 8 -p no:cacheprovider --durations=25 ${shard:+--shard "$shard"} \
+      tests 2>&1 | tee "$log" | grep -v " PASSED \| SKIPPED " | tail -n 25 || rc=1
+    if [ -z "$shard" ]; then
+      PYTHON=python3 scripts/gpu_check.sh "$out/gpu-check-$day.txt" || rc=1
+    fi
     ;;
   fuzz)
     n=${2:-300}
@@ -290,7 +297,7 @@ case "${1:-tests}" in
     "$@" 2>&1 | tee "$out/exec-$day.txt" | tail -n 60 || rc=1
     ;;
   *)
-    echo "usage: $0 tests|fuzz [N]|bench|tune [seconds]|tune-start [seconds]|tune-wait|" \
+    echo "usage: $0 tests [K/N]|fuzz [N]|bench|tune [seconds]|tune-start [seconds]|tune-wait|" \
       "compare B [A]|family F [NAME...]|" \
       "ab TAR[,TAR...] [N] -- ARGS...|protos|exec -- COMMAND..." >&2
     exit 2

@@ -27,3 +27,42 @@ def local_target():
     from kvgen.runtime import local_target
 
     return local_target()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run only the K-th of N shares of the collected tests (1 <= K <= N): every N-th "
+        "test by node id, starting at the K-th, so that each share holds a like mix of the "
+        "suite; N calls with K = 1..N run every test once (a suite longer than one "
+        "time-limited GPU call spread over several)",
+    )
+
+
+def shard_of(value: str) -> tuple[int, int]:
+    """``(k, n)`` from ``--shard``'s ``K/N``; a ValueError naming what was expected."""
+    try:
+        k, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be K/N with whole numbers, got {value!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard K/N needs 1 <= K <= N, got {value!r}")
+    return k, n
+
+
+def pytest_collection_modifyitems(config, items):
+    value = config.getoption("--shard")
+    if not value:
+        return
+    try:
+        k, n = shard_of(value)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    rank = {nodeid: i for i, nodeid in enumerate(sorted(item.nodeid for item in items))}
+    keep = [item for item in items if rank[item.nodeid] % n == k - 1]
+    drop = [item for item in items if rank[item.nodeid] % n != k - 1]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
