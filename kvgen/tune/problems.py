@@ -4,10 +4,13 @@ graphs on rotated buffers."""
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from kvgen import registry
 from kvgen.bench import harness
+from kvgen.space import bucket_key
 from kvgen.tune.tuner import TrialFailed
 
 
@@ -17,8 +20,23 @@ def tunable(spec) -> bool:
 
 
 def problem(spec, bucket, device):
-    """``(run(i, meta), check(meta) -> bool, n_sets)``: the family's tuning problem."""
-    return registry.family(spec.family).tuning_problem(spec, bucket, torch.device(device))
+    """``(run(i, meta), check(meta) -> bool, n_sets)``: the family's tuning problem, its random
+    inputs (values, slots, sequence lengths) drawn from ``problem_seed(spec, bucket)``, so that
+    every process builds the same problem for a (variant, bucket): a worker that resumes a
+    study on another host, the compile processes and ``benchmarks/compare_tuned.py`` time the
+    inputs the study's trials were timed on. torch's random state is left as it was."""
+    device = torch.device(device)
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(problem_seed(spec, bucket))
+        return registry.family(spec.family).tuning_problem(spec, bucket, device)
+
+
+def problem_seed(spec, bucket) -> int:
+    """The seed of ``spec``'s tuning problem at ``bucket``: from the variant's name and the
+    bucket, the same in every process (Python's own hash of a string is not)."""
+    digest = hashlib.sha256(f"{spec.name}@{bucket_key(bucket)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # (manual_seed takes up to 2^63 - 1)
 
 
 # The GPU time a trial's graph replays before it is timed (``harness.graph_time_us``'s
