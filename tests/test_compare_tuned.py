@@ -11,6 +11,7 @@ pytest.importorskip("optuna")
 import _fake_tuning as fake  # noqa: E402
 from _scripts import benchmark_script  # noqa: E402
 
+from kvgen import configs  # noqa: E402
 from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec  # noqa: E402
 from kvgen.space import load_space  # noqa: E402
 from kvgen.tune import tuner  # noqa: E402
@@ -102,3 +103,56 @@ def test_drop_studies_deletes_the_studies_named_and_a_resumed_run_does_them_agai
     tuner.run_study(SPEC, {"num_tokens": 16}, space, lambda m: calls.append(m) or fake.cost(m),
                     storage=store, sampler="local", n_trials=4)  # fmt: skip
     assert len(calls) == 4
+
+
+def test_adopt_faster_takes_a_s_config_where_the_compare_timed_it_faster(tmp_path, monkeypatch):
+    """benchmarks/adopt_faster.py: B's folder gets A's config where the compare timed A faster
+    by more than the margin, its time on B's scale and where it came from recorded; ties, the
+    same config and an entry changed since the compare stay as they are."""
+    adopt_faster = benchmark_script("adopt_faster")
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
+    a = _folder(tmp_path / "a", {"num_tokens=16": BEST, "num_tokens=4096": BEST,
+                                 "num_tokens=65536": SLOWER, "num_tokens=256": BEST})  # fmt: skip
+    b = _folder(tmp_path / "b", {"num_tokens=16": BEST, "num_tokens=4096": SLOWER,
+                                 "num_tokens=65536": BEST, "num_tokens=256": SLOWER})  # fmt: skip
+    cmp = tmp_path / "cmp.json"
+    assert compare_tuned.main([str(a), str(b), "--json", str(cmp)]) == 0
+    path = b / "sm90" / f"{SPEC.family}.json"
+    doc = json.loads(path.read_text())
+    before = doc["entries"][SPEC.name]
+    # num_tokens=256 changed in B since the compare: not B's config of the compare any more
+    before["num_tokens=256"]["meta"] = dict(BEST, num_stages=2)
+    path.write_text(json.dumps(doc))
+    assert adopt_faster.main([str(cmp), str(b)]) == 0
+    after = json.loads(path.read_text())["entries"][SPEC.name]
+    won = after["num_tokens=4096"]
+    assert won["meta"] == BEST
+    assert won["time_us"] == pytest.approx(
+        before["num_tokens=4096"]["time_us"] * fake.cost(BEST) / fake.cost(SLOWER), abs=1e-4
+    )
+    assert won["adopted"]["replaced"] == SLOWER and won["adopted"]["from"] == str(cmp)
+    assert won["adopted"]["a_us"] < won["adopted"]["b_us"]
+    for key in ("num_tokens=16", "num_tokens=65536", "num_tokens=256"):  # same, B faster, left
+        assert after[key] == before[key]
+    assert configs.validate(json.loads(path.read_text())) == []
+    # a margin wider than the gap adopts nothing
+    path.write_text(json.dumps(doc))
+    worse = fake.cost(SLOWER) / fake.cost(BEST)
+    assert adopt_faster.main([str(cmp), str(b), "--margin", str(worse)]) == 0
+    assert json.loads(path.read_text())["entries"][SPEC.name] == before
+
+
+def test_adopt_faster_writes_a_gpu_models_own_files(tmp_path, monkeypatch):
+    adopt_faster = benchmark_script("adopt_faster")
+    monkeypatch.setenv("KVGEN_TUNE_EVALUATOR", "_fake_tuning:evaluator")
+    a = _folder(tmp_path / "a", {"num_tokens=4096": BEST})
+    b = _folder(tmp_path / "b", {"num_tokens=4096": SLOWER})
+    device = configs.device_folder(fake.environment()["device"])
+    (b / "sm90" / device).mkdir()
+    (b / "sm90" / f"{SPEC.family}.json").rename(b / "sm90" / device / f"{SPEC.family}.json")
+    cmp = tmp_path / "cmp.json"
+    assert compare_tuned.main([str(a), str(b), "--device", device, "--json", str(cmp)]) == 0
+    assert adopt_faster.main([str(cmp), str(b), "--device", device]) == 0
+    doc = json.loads((b / "sm90" / device / f"{SPEC.family}.json").read_text())
+    assert doc["entries"][SPEC.name]["num_tokens=4096"]["meta"] == BEST
+    assert not (b / "sm90" / f"{SPEC.family}.json").exists()
