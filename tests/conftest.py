@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 # The tests' shared helpers (_fuzz.py) import as top-level modules: --import-mode=importlib puts
 # no test folder on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).parent))
+# pytest-xdist's workers share the machine's cores: each takes its share of torch's CPU threads
+# (torch's default, every core in every worker, oversubscribes them: the references and the
+# interpreter are CPU work).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # A fresh module cache per test session, so the generator itself is exercised every run.
 os.environ.setdefault("KVGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kvgen-test-cache-"))
 
