@@ -190,11 +190,11 @@ def summary(arch: str, spec_class_of) -> tuple[list[dict], list[str]]:
 
 
 def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
-    """A valid document's entries as rows (variant, bucket, meta, times, speed-up), with
-    ``used``: whether the op takes this variant at this bucket. Where the family's op chooses
-    between variants by their tuned times (its spec class ``cls``'s ``chosen_by_tuning`` names
-    the field that differs), that is the fastest of them at the bucket; otherwise every entry
-    is used."""
+    """A valid document's entries as rows (variant, bucket, meta, times, speed-up, ``adopted``:
+    the record of a config taken from another run, or None), with ``used``: whether the op
+    takes this variant at this bucket. Where the family's op chooses between variants by their
+    tuned times (its spec class ``cls``'s ``chosen_by_tuning`` names the field that differs),
+    that is the fastest of them at the bucket; otherwise every entry is used."""
     axis = getattr(cls, "chosen_by_tuning", None) if cls is not None else None
     out = []
     for variant, buckets in sorted(doc["entries"].items()):
@@ -214,6 +214,8 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
                     "time_us": e["time_us"],
                     "default_time_us": e["default_time_us"],
                     "speedup": e["default_time_us"] / e["time_us"],
+                    # taken from another run by benchmarks/adopt_faster.py: its record
+                    "adopted": e.get("adopted"),
                     "group": group,
                 }
             )

@@ -230,6 +230,26 @@ def test_show_marks_the_decode_variant_each_bucket_uses():
     assert "yes" in line
 
 
+def test_show_names_the_entries_taken_from_another_run():
+    """The package's H100 files hold configs a 40-trial TPE run timed faster
+    (benchmarks/adopt_faster.py): show's JSON carries each one's record, its table says so
+    under the file's table; entries of the run itself have none."""
+    import json
+
+    shown = json.loads(runner.invoke(app, ["show", "sm90", "--json"]).stdout)
+    h100 = [f for f in shown["files"] if f["device"] == "nvidia-h100-80gb-hbm3"]
+    rows = {(r["variant"], r["bucket"]): r for f in h100 for r in f["rows"]}
+    taken = [k for k, r in rows.items() if r["adopted"]]
+    assert ("gqa_decode-d128-dv128-bf16-kvint8-g0-portable-sm90-gpu", "rows=32") in taken
+    record = rows[taken[0]]["adopted"]
+    assert record["a_us"] < record["b_us"] and record["replaced"] != rows[taken[0]]["meta"]
+    arch_rows = [r for f in shown["files"] if f["device"] is None for r in f["rows"]]
+    assert all(r["adopted"] is None for r in arch_rows)
+    text = runner.invoke(app, ["show", "sm90"], env={"COLUMNS": "400"}).stdout
+    assert "entries hold another run's config" in text
+    assert "gqa_decode-d128-dv128-bf16-kvint8-g0-portable-sm90-gpu @ rows=32" in text
+
+
 def test_bracketed_text_is_printed_as_written(monkeypatch):
     result = runner.invoke(app, ["list", "--family", "store[x]"])
     assert result.exit_code == 2

@@ -211,4 +211,14 @@ def show_table(doc: dict) -> Table:
     """One tuned-config file (a ``configs.summary`` entry) as a table."""
     prov, env = doc["provenance"], doc["env"]
     title = f"{doc['file']} ({env['device']}, {prov['sampler']}, {prov['date']})"
-    return table(title, SHOW_KEYS, doc["rows"])
+    t = table(title, SHOW_KEYS, doc["rows"])
+    adopted = [r for r in doc["rows"] if r.get("adopted")]
+    if adopted:  # configs another run found faster (benchmarks/adopt_faster.py)
+        sources = sorted({str(r["adopted"].get("from", "?")) for r in adopted})
+        hold = "entry holds" if len(adopted) == 1 else "entries hold"
+        t.caption = (
+            f"{len(adopted)} {hold} another run's config, timed faster than this run's in one "
+            f"process ('adopted' in the file; {', '.join(sources)}): "
+            + "; ".join(f"{r['variant']} @ {r['bucket']}" for r in adopted)
+        )
+    return t
