@@ -67,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
     rank = {nodeid: i for i, nodeid in enumerate(sorted(item.nodeid for item in items))}
-    keep = [item for item in items if rank[item.nodeid] % n == k - 1]
-    drop = [item for item in items if rank[item.nodeid] % n != k - 1]
+    keep, drop = [], []
+    for item in items:
+        (keep if rank[item.nodeid] % n == k - 1 else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
     items[:] = keep
