@@ -62,9 +62,9 @@ INT4_PATCHES = {
     ],
     "nokscale": [
         (
-            rf"( +)k_sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
+            rf"( +)sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
             r"\.to\(gl\.float32\)\n",
-            r"\1k_sc\2 = gl.where(ok, 1.0, 0.0)\n",
+            r"\1sc\2 = gl.where(ok, 1.0, 0.0)\n",
         )
     ],
     "nolo": [
