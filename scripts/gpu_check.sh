@@ -5,7 +5,9 @@
 #   racecheck: every kernel but the warp-specialised decode (split_kernel_roles: the tool reports
 #   hazards on its mbarrier-ordered hand-overs between warpgroups, as it does on FlashMLA's own
 #   mbarrier-synchronised kernel).
-# Writes the reports to ${1:-gpu-check.txt}; exits non-zero on any error. Further arguments name
+# Writes the reports to ${1:-gpu-check.txt}; exits non-zero on any error. Stopped (an outer
+# `timeout`), it stops its runs and still writes the report of what ran, each run cut short
+# marked so, in that one file (a device call brings back a few files only). Further arguments name
 # scripts/gpu_check.py's sections to run (default: all; `python3 scripts/gpu_check.py --list`). KVGEN_SANITIZER_TOOLS picks the tools
 # (default: "memcheck initcheck synccheck racecheck"); KVGEN_SANITIZER_TIMEOUT (seconds) stops
 # each run after that long, keeping what it reported (exit 124 for that run).
@@ -59,7 +61,50 @@ stop_runs() {
   # shellcheck disable=SC2046  # a list of pids
   kill -TERM $(jobs -p) 2>/dev/null
 }
-trap 'stop_runs; exit 143' TERM INT HUP
+# The report: each tool's sections in order, each run's output and exit status (a run the
+# script was stopped in: "stopped"; one it never began: "not run"); the per-run files removed.
+# Returns non-zero unless every run ended clean.
+report() {
+  local tool section trc bad rc=0
+  for tool in $tools; do
+    echo "## $tool" >>"$out"
+    bad=()
+    for section in "${sections[@]}"; do
+      if [ -f "$out.$tool.$section.rc" ]; then
+        trc=$(cat "$out.$tool.$section.rc")
+      elif [ -f "$out.$tool.$section" ]; then
+        trc=stopped
+      else
+        trc="not run"
+      fi
+      echo "### $tool $section (exit $trc)" >>"$out"
+      [ -f "$out.$tool.$section" ] && cat "$out.$tool.$section" >>"$out"
+      [ "$trc" = 124 ] && echo "(stopped after ${KVGEN_SANITIZER_TIMEOUT} s)" >>"$out"
+      if [ "$trc" != 0 ]; then
+        rc=1
+        bad+=("$section (exit $trc)")
+      elif ! grep -qE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$out.$tool.$section"; then
+        rc=1
+        bad+=("$section (no clean summary)")
+      fi
+      rm -f "$out.$tool.$section" "$out.$tool.$section.rc"
+    done
+    if [ ${#bad[@]} -eq 0 ]; then
+      echo "$tool: ${#sections[@]} sections, 0 errors"
+    else
+      echo "$tool: ${#sections[@]} sections; not clean: ${bad[*]}"
+    fi
+  done
+  return $rc
+}
+stopped() {
+  stop_runs
+  wait 2>/dev/null  # (the runs' subshells, so that none writes a file past the report)
+  rm -f "$out".warm.*
+  report
+  exit 143
+}
+trap stopped TERM INT HUP
 if [ "${KVGEN_SANITIZER_WARM:-1}" != 0 ]; then
   for section in "${sections[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "${KVGEN_SANITIZER_JOBS:-8}" ]; do wait -n; done
@@ -78,28 +123,4 @@ for tool in "${order[@]}"; do
   done
 done
 wait
-rc=0
-for tool in $tools; do
-  echo "## $tool" >>"$out"
-  bad=()
-  for section in "${sections[@]}"; do
-    trc=$(cat "$out.$tool.$section.rc")
-    echo "### $tool $section (exit $trc)" >>"$out"
-    cat "$out.$tool.$section" >>"$out"
-    [ "$trc" -eq 124 ] && echo "(stopped after ${KVGEN_SANITIZER_TIMEOUT} s)" >>"$out"
-    if [ "$trc" -ne 0 ]; then
-      rc=$trc
-      bad+=("$section (exit $trc)")
-    elif ! grep -qE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$out.$tool.$section"; then
-      rc=1
-      bad+=("$section (no clean summary)")
-    fi
-    rm -f "$out.$tool.$section" "$out.$tool.$section.rc"
-  done
-  if [ ${#bad[@]} -eq 0 ]; then
-    echo "$tool: ${#sections[@]} sections, 0 errors"
-  else
-    echo "$tool: ${#sections[@]} sections; not clean: ${bad[*]}"
-  fi
-done
-exit $rc
+report

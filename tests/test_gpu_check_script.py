@@ -98,9 +98,11 @@ def test_an_error_or_a_missing_summary_fails_the_script(tmp_path, bad, short, ex
     assert expect in proc.stdout
 
 
-# a stand-in for a sanitizer run that does not end by itself: it notes its pid and waits
+# a stand-in for a sanitizer run that does not end by itself: it notes its pid, prints a line
+# and waits
 HANG_STUB = """#!/bin/bash
 echo $$ >>"$PIDS"
+echo "began $2 ${@: -1}"
 exec sleep 300
 """
 
@@ -108,7 +110,9 @@ exec sleep 300
 def test_a_stopped_script_stops_its_runs_and_the_tools_own_time_limits(tmp_path):
     """Stopped by an outer `timeout` (which passes its SIGTERM on to the script), the script
     stops every run still going, those under KVGEN_SANITIZER_TIMEOUT too: each is in a process
-    group of its own (timeout's), and left alone would go on using the GPU after the script."""
+    group of its own (timeout's), and left alone would go on using the GPU after the script.
+    It still writes its one report, each run marked stopped with what it printed, and leaves
+    no per-run file (a device call brings back a few files only)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (
@@ -144,6 +148,12 @@ def test_a_stopped_script_stops_its_runs_and_the_tools_own_time_limits(tmp_path)
     for p in alive:  # (not to leave them behind when the test fails)
         os.kill(p, signal.SIGKILL)
     assert not alive, f"{len(alive)} of the 8 runs outlived the script"
+    report = (tmp_path / "r.txt").read_text()
+    tools = ["memcheck", "initcheck", "synccheck", "racecheck"]
+    for t in tools:
+        for section in ("decodes", "mla_rows"):
+            assert f"### {t} {section} (exit stopped)\nbegan {t} {section}\n" in report
+    assert not list(tmp_path.glob("r.txt.*")), "a run's temporary report was left"
 
 
 def test_the_store_section_checks_vllm_inline_rows_and_every_thread_layout_on_them():
