@@ -74,11 +74,13 @@ def compile_fn(label, fn, types, constexprs, warps=4, aligned=(), **options):
 
 def kept_file(env: str, label, constexprs, suffix: str) -> tuple[Path | None, str]:
     """``(path, name)``: where a kernel's ``suffix`` file goes under the folder ``env`` names
-    (None when it is not set), and the kernel's name (label and constexprs)."""
+    (None when it is not set; made where it does not exist), and the kernel's name (label and
+    constexprs)."""
     folder = os.environ.get(env)
     name = f"{label} {sorted(constexprs.items())}"
     if not folder:
         return None, name
+    Path(folder).mkdir(parents=True, exist_ok=True)
     return Path(folder) / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}{suffix}", name
 
 
