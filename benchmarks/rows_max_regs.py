@@ -86,15 +86,17 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="16,8", help="the MLA kernel's query heads")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
+    names = args.kernels.split(",")
+    for name in names:
+        if name not in KERNELS:
+            raise SystemExit(f"--kernels: unknown {name!r}; known: {', '.join(KERNELS)}")
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (sm90)")
     device = torch.device("cuda")
     caps = [int(c) for c in args.caps.split(",")]
     print(f"{torch.cuda.get_device_name(device)}; caps {caps}", flush=True)
     harness.warm_up(device)
-    for name in args.kernels.split(","):
-        if name not in KERNELS:
-            raise SystemExit(f"--kernels: unknown {name!r}; known: {', '.join(KERNELS)}")
+    for name in names:
         if name == "mla-mxfp4":
             cases = mla_cases(device, [int(h) for h in args.heads.split(",")])
         else:

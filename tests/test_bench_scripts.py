@@ -1,0 +1,32 @@
+"""The GPU timing scripts' host-side parts (benchmarks/gqa_bench_formats.py, rows_max_regs.py):
+what they time is chosen on the CPU, so a wrong name fails before a GPU call is spent."""
+
+import pytest
+from _scripts import benchmark_script
+
+from kvgen.bench import gqa_decode as bench
+
+FORMATS = benchmark_script("gqa_bench_formats")
+MAX_REGS = benchmark_script("rows_max_regs")
+
+
+def test_the_bf16_cache_is_always_timed_first_and_once():
+    chosen = FORMATS.formats_from("int8,bf16,int4C16,int8")
+    assert [f[0] for f in chosen] == ["bf16", "int8", "int4 C16"]
+    assert chosen[0] == bench.FORMATS[0]  # the bench's own entry: the times are relative to it
+    assert chosen[2] == ("int4 C16", "int4", 16, "nhd")
+
+
+def test_every_bench_format_is_known_by_its_label_without_spaces():
+    for entry in bench.FORMATS:
+        assert entry in FORMATS.formats_from(entry[0].replace(" ", ""))
+
+
+def test_an_unknown_format_is_refused_with_the_known_ones():
+    with pytest.raises(SystemExit, match="unknown 'int3'.*int4C32inline"):
+        FORMATS.formats_from("int8,int3")
+
+
+def test_rows_max_regs_refuses_an_unknown_kernel_name_before_looking_for_a_gpu():
+    with pytest.raises(SystemExit, match="unknown 'gqa-int3'; known: mla-mxfp4, gqa-int4"):
+        MAX_REGS.main(["--kernels", "gqa-int8,gqa-int3"])
