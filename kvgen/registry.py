@@ -8,6 +8,7 @@ the same way) and from ``register`` at run time.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import importlib
 import importlib.metadata
 import logging
@@ -128,25 +129,45 @@ def _spelled_target(name: str) -> tuple[str, str] | None:
     return None
 
 
+WILDCARDS = "*?["  # a name holding one of these is a shell-style pattern (fnmatch)
+
+
 def lookup(names: list[str], arch: str, target: str) -> list[VariantSpec]:
-    """Specs for ``names`` (variant names, listed or not, or family names); unknown names raise
-    KeyError. A variant name is looked up with the arch and target it spells; ``arch`` and
-    ``target`` pick the variants of family names."""
+    """Specs for ``names`` (variant names, listed or not, family names, or shell-style patterns
+    of listed variant names such as ``gqa_decode-*-rows-*``), each spec once, in the order the
+    names give them; unknown names, and patterns that match no listed variant, raise KeyError.
+    A variant name is looked up with the arch and target it spells; ``arch`` and ``target``
+    pick the variants of family names and patterns."""
     out: list[VariantSpec] = []
+
+    def add(specs) -> None:
+        out.extend(s for s in specs if s not in out)
+
     for name in names:
+        if any(c in name for c in WILDCARDS):
+            listed = variants(arch, target)
+            matched = [s for s in listed if fnmatch.fnmatchcase(s.name, name)]
+            if not matched:
+                fams = sorted({s.family for s in listed})
+                raise KeyError(
+                    f"no variant for {arch}/{target} matches {name!r} (a pattern of variant "
+                    f"names, as kvgen list prints them; families: {', '.join(fams)})"
+                )
+            add(matched)
+            continue
         where = _spelled_target(name) or (arch, target)
         listed = variants(*where)
         by_name = {s.name: s for s in listed}
         if name in by_name:
-            out.append(by_name[name])
+            add([by_name[name]])
             continue
         fam = [s for s in listed if s.family == name]
         if fam:
-            out.extend(fam)
+            add(fam)
             continue
         spec = _unlisted(name, listed)
         if isinstance(spec, VariantSpec):
-            out.append(spec)
+            add([spec])
             continue
         close = difflib.get_close_matches(name, list(by_name) + families(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""

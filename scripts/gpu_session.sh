@@ -45,7 +45,8 @@
 #   scripts/gpu_session.sh family F [NAME...] the work a change to one family's kernels needs,
 #                                  in one call: its tests (tests/test_F.py, or the files of
 #                                  KVGEN_TEST_FILES, with KVGEN_TEST_ARGS), a tune of the
-#                                  variants NAME... (default: F's default variants; options such
+#                                  variants NAME... (default: F's default variants; quoted
+#                                  patterns such as 'gqa_decode-*-rows-*' too; options such
 #                                  as --timeout S may follow; KVGEN_TUNE=0: none) into a copy of
 #                                  tuned_configs (F's JSON comes back), its bench
 #                                  (KVGEN_BENCH_OPS, default F) with the copy's configs, and the

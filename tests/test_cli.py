@@ -51,6 +51,16 @@ def test_gen_unknown_name_suggests():
     assert "no variant or family" in result.output
 
 
+def test_gen_takes_a_pattern_of_variant_names(tmp_path):
+    want = [s.name for s in registry.variants(ARCH, TARGET) if s.family == "gather_mxfp4_rope_mla"]
+    result = runner.invoke(app, ["gen", "--out", str(tmp_path), "gather_mxfp4_rope_mla-*"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.stem for p in tmp_path.iterdir()) == sorted(want) and want
+    nothing = runner.invoke(app, ["gen", "--out", str(tmp_path / "x"), "gather_*-rowz"])
+    assert nothing.exit_code == 2 and "matches 'gather_*-rowz'" in nothing.output
+    assert not (tmp_path / "x").exists()
+
+
 def test_verify_runs_variants_against_the_reference():
     names = [
         f"store_mxfp4_mla-g64-l448-fp32-flat-{ARCH}-{TARGET}",

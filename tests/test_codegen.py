@@ -76,6 +76,25 @@ def test_registry_lookup_by_family_and_typo():
         registry.lookup(["store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpux"], "sm90", "gpu")
 
 
+def test_registry_lookup_by_pattern():
+    listed = registry.variants("sm90", "gpu")
+    rows = registry.lookup(["gqa_decode-*-rows-*"], "sm90", "gpu")
+    assert rows == [s for s in listed if s.family == "gqa_decode" and s.variant == "rows"]
+    assert len(rows) >= 8
+    # A spec that two names give comes once, where the first name gives it.
+    both = registry.lookup(["gqa_decode-*-kvint8-*-rows-*", "gqa_decode-*-rows-*"], "sm90", "gpu")
+    assert both[:2] == [s for s in rows if s.kv == "int8"] and sorted(
+        s.name for s in both
+    ) == sorted(s.name for s in rows)
+    assert registry.lookup(["store_mxfp4_mla", "store_mxfp4_mla-g?2-*"], "sm90", "gpu") == [
+        s for s in listed if s.family == "store_mxfp4_mla"
+    ]
+    # A pattern that matches nothing names the families to pick from, before any work.
+    with pytest.raises(KeyError, match="no variant for sm90/gpu matches 'gqa_decode-\\*-rowz'.*"
+                       "families: concat_and_cache_mla"):  # fmt: skip
+        registry.lookup(["gqa_decode-*-rowz"], "sm90", "gpu")
+
+
 def test_every_listed_name_parses_back_to_its_spec():
     for arch, target in (("sm90", "gpu"), ("sm80", "interp")):
         for spec in registry.variants(arch, target):

@@ -34,7 +34,11 @@ TargetOpt = Annotated[
 ]
 NamesArg = Annotated[
     list[str] | None,
-    typer.Argument(help="Variant or family names (default: every variant).", show_default=False),
+    typer.Argument(
+        help="Variant or family names, or quoted shell-style patterns of variant names "
+        "('gqa_decode-*-rows-*'; kvgen list prints them). Default: every variant.",
+        show_default=False,
+    ),
 ]
 PlotOpt = Annotated[Path | None, opt("Also draw a PNG (pip install 'kvgen[plot]').", "--plot")]
 
