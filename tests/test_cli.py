@@ -35,6 +35,21 @@ def test_list_family_and_arch():
     assert runner.invoke(app, ["list", "--family", "nope"]).exit_code == 2
 
 
+def test_list_shows_what_names_and_patterns_give():
+    sm90 = ["list", "--arch", "sm90", "--target", "gpu"]
+    result = runner.invoke(app, [*sm90, "gqa_decode-*-rows-*"])
+    assert result.exit_code == 0, result.output
+    want = [s.name for s in registry.variants("sm90", "gpu", "gqa_decode") if s.variant == "rows"]
+    assert result.stdout.split() == want and want
+    both = [*sm90, "--family", "gqa_decode", "gqa_decode-*"]
+    assert runner.invoke(app, both).stdout.split() == [
+        s.name for s in registry.variants("sm90", "gpu", "gqa_decode")
+    ]
+    other = runner.invoke(app, ["list", "--family", "mla_decode", "gqa_decode-*"])
+    assert other.exit_code == 0 and other.stdout.split() == []
+    assert runner.invoke(app, ["list", "gqa_decode-*-rowz"]).exit_code == 2
+
+
 def test_gen_writes_readable_sources(tmp_path):
     name = f"store_mxfp4_mla-g32-l448-bf16-paged-{ARCH}-{TARGET}"
     result = runner.invoke(app, ["gen", "--out", str(tmp_path), name])

@@ -30,19 +30,24 @@ from kvgen.cli.output import err
 
 @app.command("list")
 def list_cmd(
+    names: NamesArg = None,
     arch: ArchOpt = None,
     target: TargetOpt = None,
     family: Annotated[str | None, opt("Only this kernel family.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Print the name of every variant the registry can generate, one per line."""
+    """Print the name of every variant the registry can generate, one per line (with NAMEs, the
+    variants they give: what gen, verify and tune would take for them)."""
     use_interpreter_without_gpu()
     from kvgen import registry
 
     arch, target = resolve_target(arch, target)
     if family is not None and family not in registry.families():
         raise fail(f"unknown family {family!r}; known: {', '.join(registry.families())}")
-    specs = registry.variants(arch, target, family)
+    if names:
+        specs = [s for s in specs_named(names, arch, target) if family in (None, s.family)]
+    else:
+        specs = registry.variants(arch, target, family)
     if as_json:
         show.print_json([{"name": s.name, "family": s.family, "fields": s.fields()} for s in specs])
     else:
