@@ -14,7 +14,8 @@ num_tokens=T, over all processes, raise torch's CUDA out-of-memory error), KVGEN
 config's JSON: every evaluation of it raises that error), KVGEN_FAKE_TRAP ("T:META",
 META a config's JSON: at bucket num_tokens=T the cost is 1 at META and otherwise grows with
 the parameters that differ from the bucket's default, a local optimum that the local search
-does not leave), KVGEN_FAKE_WORKERS
+does not leave; with KVGEN_FAKE_TRAP_ONLY set to a variant's name, at that variant's studies
+only), KVGEN_FAKE_WORKERS
 (a count: a worker's first evaluation waits, up to a minute, until that many worker processes
 have reached theirs, so that a test of several workers never sees one worker do
 all the trials while another is still starting).
@@ -127,6 +128,9 @@ def evaluator(spec, bucket):
     oom_config = json.loads(os.environ.get("KVGEN_FAKE_OOM_CONFIG") or "null")
     trap = os.environ.get("KVGEN_FAKE_TRAP", "")
     trapped = None
+    trap_only = os.environ.get("KVGEN_FAKE_TRAP_ONLY")  # a variant's name: the trap is its alone
+    if trap_only and spec.name != trap_only:
+        trap = ""
     if trap and str(bucket.get("num_tokens")) == trap.split(":", 1)[0]:
         trapped = json.loads(trap.split(":", 1)[1]), spec.default_meta(**bucket)
 

@@ -36,8 +36,9 @@ FAKE = "_fake_tuning:evaluator"
 
 
 def _env(log, sleep=0.02, die_at=0, fault_at=0, build_fault="", build_oom="", trial_oom="",
-         trap="", oom_config=""):  # fmt: skip
+         trap="", oom_config="", trap_only=""):  # fmt: skip
     return {
+        "KVGEN_FAKE_TRAP_ONLY": trap_only,
         "KVGEN_FAKE_OOM_CONFIG": oom_config,
         "KVGEN_FAKE_TRAP": trap,
         "KVGEN_FAKE_BUILD_OOM": build_oom,
@@ -59,10 +60,10 @@ def _prepare(storage, sampler, n_trials):
     return store
 
 
-def _run(storage, sampler, n_trials, log, workers=3, stop=None, **env):
+def _run(storage, sampler, n_trials, log, workers=3, stop=None, jobs=None, **env):
     store = _prepare(storage, sampler, n_trials)
     plan = parallel.Plan(
-        jobs=[(SPEC, b) for b in BUCKETS],
+        jobs=jobs or [(SPEC, b) for b in BUCKETS],
         storage=storage,
         sampler=sampler,
         n_trials=n_trials,
@@ -379,6 +380,43 @@ def test_the_local_search_s_second_pass_takes_a_later_neighbour_s_best(tmp_path)
                            stop=stop, trap=f"16:{json.dumps(other)}")  # fmt: skip
     assert [e.returncode for e in exits] == [0], lines
     assert len(_evaluations(log)) == ran
+
+
+def test_the_second_pass_takes_a_later_sibling_variant_s_best(tmp_path):
+    """Two variants of one template at one bucket: the first one's study ends at a local
+    optimum (the default) before the second one's has run; the second pass runs the second
+    variant's best in the first study (marked with that variant's name), where it is best of
+    all. The first pass gave the second study the first one's best as a start point."""
+    sibling = StoreMXFP4MLASpec(32, 512, "fp16", "paged", "sm90", "gpu")
+    bucket = BUCKETS[0]
+    theirs = min(SPACE.feasible(sibling, bucket), key=fake.cost)
+    default = SPEC.default_meta(**bucket)
+    assert sum(theirs[k] != default[k] for k in theirs) >= 2  # not a neighbour of the default
+    log = tmp_path / "evals.log"
+    stop = tuner.StopRule(patience=3, local=True)
+    journal = str(tmp_path / "tune.journal")
+    # (kvgen tune prepares every study of its plan; _run prepares SPEC's)
+    tuner.open_study(sibling, bucket, SPACE, storage=tuner.storage_from(journal, Path(journal)),
+                     sampler="local", n_trials=40)  # fmt: skip
+    store, exits, lines = _run(journal, "local", 40, log, workers=1,
+                               stop=stop, jobs=[(SPEC, bucket), (sibling, bucket)],
+                               trap=f"16:{json.dumps(theirs)}", trap_only=SPEC.name)  # fmt: skip
+    assert [e.returncode for e in exits] == [0], lines
+    evals = _evaluations(log)
+    key = json.dumps(theirs, sort_keys=True)
+    at = next(i for i, (_, s, p) in enumerate(evals) if s == f"{SPEC.name}@16" and p == key)
+    assert any(s == f"{sibling.name}@16" for _, s, _ in evals[:at])  # after the sibling's study
+    mine = _study(store, bucket)
+    trial = next(t for t in mine.trials if t.params == theirs)
+    assert trial.user_attrs.get(tuner.SIBLING_REVISIT) == sibling.name and trial.value == 1.0
+    bound = stop.for_study(SPEC, bucket, SPACE)
+    assert tuner.summarize(SPEC, bucket, mine, default, bound).meta == theirs
+    started = optuna.load_study(study_name=tuner.study_name(sibling, bucket), storage=store)
+    assert [t.user_attrs.get(tuner.SIBLING_START_ATTR) for t in started.trials[:2]] == [
+        None,
+        None,
+    ]  # the first study's best was the default: nothing to queue beside it
+    assert started.trials[0].params == sibling.default_meta(**bucket)
 
 
 def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):

@@ -346,6 +346,53 @@ def test_warm_start_takes_the_nearest_config_the_bucket_allows_for_one_it_rules_
     assert tuner.warm_start(study, SPEC, BUCKET, SPACE, storage, [other], limit=6) == [best]
 
 
+def test_a_fresh_study_also_starts_from_its_sibling_variants_bests_at_its_bucket(override, storage):
+    """Sibling start: after the neighbouring buckets' bests, the bests of other variants of
+    the same template at the same bucket, the variant with the fewest fields apart first, two
+    at most; a config queued already is not queued twice; a variant of another template, or
+    one with no study at the bucket, gives nothing."""
+    near = StoreMXFP4MLASpec(32, 512, "fp16", "paged", "sm90", "gpu")  # one field apart
+    far = StoreMXFP4MLASpec(64, 512, "fp32", "paged", "sm90", "gpu")  # two
+    farther = StoreMXFP4MLASpec(64, 1024, "fp32", "paged", "sm90", "gpu")  # three
+    unrun = StoreMXFP4MLASpec(32, 512, "fp32", "paged", "sm90", "gpu")
+    other_template = StoreKVPerTokenHeadSpec("int8", 128, 128, "bf16", "sm90", "gpu")
+    assert [tuner.spec_distance(SPEC, s) for s in (near, far, farther)] == [1, 2, 3]
+    small = lambda meta: 10.0 + meta["rows_per_program"] + meta["num_warps"]  # noqa: E731
+
+    def middle(meta):
+        return 10.0 + abs(meta["rows_per_program"] - 8) + abs(meta["num_warps"] - 4)
+
+    bests = {}
+    for spec, cost in ((far, far_time), (near, small), (farther, middle)):
+        space = load_space(spec.template)
+        bests[spec] = tuner.run_study(spec, BUCKET, space, cost, storage=storage,
+                                      sampler="local", n_trials=20).meta  # fmt: skip
+    default = SPEC.default_meta(**BUCKET)
+    assert len({json.dumps(m, sort_keys=True) for m in [default, *bests.values()]}) == 4
+    rec = Recorder()
+    tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="local", n_trials=4,
+                    siblings=[other_template, unrun, farther, far, near, SPEC])  # fmt: skip
+    assert rec.calls[:3] == [default, bests[near], bests[far]]  # not ``farther``'s: two at most
+    study = optuna.load_study(study_name=tuner.study_name(SPEC, BUCKET), storage=storage)
+    assert [t.user_attrs.get(tuner.SIBLING_START_ATTR) for t in study.trials[:3]] == [
+        None,
+        near.name,
+        far.name,
+    ]
+    # beside a neighbouring bucket's best that is the same config: queued once, as the bucket's
+    fresh = {"num_tokens": 16384}
+    tuner.run_study(SPEC, fresh, SPACE, small, storage=storage, sampler="local", n_trials=20)
+    assert tuner.load_result(SPEC, fresh, storage).meta == bests[near]
+    other = {"num_tokens": 4096}
+    tuner.run_study(near, other, SPACE, small, storage=storage, sampler="local", n_trials=20)
+    study = tuner.open_study(SPEC, other, SPACE, storage=storage, sampler="local", n_trials=6)
+    got = tuner.warm_start(study, SPEC, other, SPACE, storage, [fresh], 6, siblings=[near])
+    assert got == [bests[near]]
+    (queued,) = [t for t in study.trials if t.params == bests[near] or
+                 t.system_attrs.get("fixed_params") == bests[near]]  # fmt: skip
+    assert queued.user_attrs == {tuner.WARM_START_ATTR: tuner.bucket_key(fresh)}
+
+
 def test_a_study_that_ran_before_its_neighbours_tries_their_bests_and_walks_on(storage):
     """The local search's second pass (``revisit``): a study that ended at a local optimum
     before its neighbouring bucket had a result runs that bucket's best (a queued point runs

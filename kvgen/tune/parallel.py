@@ -288,7 +288,8 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
     if plan.deadline is not None:
         deadline = time.monotonic() + (plan.deadline - time.time())
     # The local search's second pass: each study tries the best configs its neighbouring
-    # buckets found after it had run (``tuner.revisit``), and walks on from one that wins.
+    # buckets and its sibling variants (the same template) at its bucket found after it had
+    # run (``tuner.revisit``), and walks on from one that wins.
     passes = [(spec, bucket, False) for spec, bucket in plan.jobs]
     if plan.sampler == "local":
         passes += [(spec, bucket, True) for spec, bucket in plan.jobs]
@@ -309,12 +310,17 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
         rule = stop.for_study(spec, bucket, space)  # (the local rule: bound once a study)
         neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
-        if again and not tuner.revisit(study, spec, bucket, space, storage, neighbours, limit):
-            continue  # nothing new from its neighbours (or not run)
+        siblings = list(dict.fromkeys(
+            s for s, b in plan.jobs if s != spec and s.template == spec.template and b == bucket
+        ))  # fmt: skip
+        if again and not tuner.revisit(study, spec, bucket, space, storage, neighbours, limit,
+                                       siblings=siblings):  # fmt: skip
+            continue  # nothing new from its neighbours and siblings (or not run)
         if tuner.budget_taken(study, limit, rule):
             continue  # taken by other workers (or a finished earlier run): build no inputs
         if plan.sampler != "grid" and not again:
-            tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit)
+            tuner.warm_start(study, spec, bucket, space, storage, neighbours, limit,
+                             siblings=siblings)  # fmt: skip
         t0 = time.monotonic()
         for attempt in range(1, OOM_RETRIES + 1):
             try:

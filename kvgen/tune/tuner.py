@@ -637,11 +637,12 @@ def run_study(
     on_trial: Callable[[StudyResult], None] | None = None,
     stop: StopRule = NO_STOP,
     neighbours: list[dict[str, int]] = (),
+    siblings=(),
 ) -> StudyResult:
     """Run (or resume) the study of ``spec`` at ``bucket`` in this process until it has
     ``n_trials`` trials (the whole grid at most, for ``sampler="grid"``) or ``stop`` ends it;
-    a fresh study first runs the best configs of the ``neighbours`` buckets' studies (see
-    ``warm_start``)."""
+    a fresh study first runs the best configs of the ``neighbours`` buckets' studies and of
+    the ``siblings`` variants' studies at ``bucket`` (see ``warm_start``)."""
     study = open_study(
         spec, bucket, space, storage=storage, sampler=sampler, seed=seed, n_trials=n_trials
     )
@@ -649,7 +650,7 @@ def run_study(
     stop = stop.for_study(spec, bucket, space)
     if sampler != "grid":
         warm_start(study, spec, bucket, space, storage, neighbours,
-                   budget(space, sampler, n_trials, spec, bucket))  # fmt: skip
+                   budget(space, sampler, n_trials, spec, bucket), siblings=siblings)  # fmt: skip
     hook = None
     if on_trial is not None:
         hook = lambda s: on_trial(summarize(spec, bucket, s, default, stop))  # noqa: E731
@@ -668,7 +669,9 @@ def run_study(
     return summarize(spec, bucket, study, default, stop)
 
 
-WARM_START = 2  # configs a study takes from its nearest tuned buckets (at its start, and again)
+# Configs a study takes from its nearest tuned buckets, and as many more from its sibling
+# variants at its bucket (at its start, and again in the second pass)
+WARM_START = 2
 
 
 def nearest_feasible(
@@ -693,7 +696,7 @@ def nearest_feasible(
 
 
 def _neighbour_bests(spec, bucket, space, storage, neighbours):
-    """``(other bucket, its best config made to fit this bucket)`` for the ``neighbours``
+    """``(other bucket's key, its best config made to fit this bucket)`` for the ``neighbours``
     buckets' studies that have a result, nearest bucket first."""
     for other in sorted(neighbours, key=lambda b: configs.bucket_distance(bucket, b)):
         if other == bucket:
@@ -702,7 +705,32 @@ def _neighbour_bests(spec, bucket, space, storage, neighbours):
         meta = result.meta if result is not None else None
         fit = nearest_feasible(meta, space, spec, bucket) if meta is not None else None
         if fit is not None:
-            yield other, fit
+            yield bucket_key(other), fit
+
+
+def spec_distance(spec, other) -> int:
+    """How many of the two variants' fields differ (a field only one of them has counts)."""
+    mine, theirs = spec.fields(), other.fields()
+    return sum(mine.get(k, _ABSENT) != theirs.get(k, _ABSENT) for k in mine.keys() | theirs.keys())
+
+
+_ABSENT = object()
+
+
+def _sibling_bests(spec, bucket, space, storage, siblings):
+    """``(sibling's name, its best config at ``bucket`` made to fit this variant)`` for the
+    ``siblings`` (other variants of the same template: another cache format, query dtype,
+    ...) whose study at ``bucket`` has a result, the nearest variant first (the fewest fields
+    apart), then in the order given."""
+    ranked = sorted(enumerate(siblings), key=lambda p: (spec_distance(spec, p[1]), p[0]))
+    for _, other in ranked:
+        if other == spec or other.template != spec.template:
+            continue
+        result = load_result(other, bucket, storage)
+        meta = result.meta if result is not None else None
+        fit = nearest_feasible(meta, space, spec, bucket) if meta is not None else None
+        if fit is not None:
+            yield other.name, fit
 
 
 def warm_start(
@@ -714,17 +742,20 @@ def warm_start(
     neighbours,
     limit: int,
     most: int = WARM_START,
+    siblings=(),
 ) -> list[dict[str, Any]]:
     """Enqueue, in a study no trial of which has started, the best configs of the nearest
     ``neighbours`` (other buckets of the same variant) whose studies have a result, nearest
-    first, ``most`` at most: a bucket's best is usually its neighbour's or close to it. A best
-    that breaks this bucket's constraints comes as its ``nearest_feasible`` point. Skipped:
-    configs already in the study, and any past the budget. Returns the configs enqueued."""
+    first, ``most`` at most: a bucket's best is usually its neighbour's or close to it; then
+    the bests of the ``siblings`` (other variants of the same template) at this bucket,
+    ``most`` more at most (``_sibling_bests``). A best that breaks this bucket's constraints
+    comes as its ``nearest_feasible`` point. Skipped: configs already in the study, and any
+    past the budget. Returns the configs enqueued."""
     trials = study.get_trials(deepcopy=False)
     if any(t.state != optuna.trial.TrialState.WAITING for t in counted(trials)):
         return []  # started (or resumed): the sampler has the study's own results
-    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most,
-                          "warm_start")  # fmt: skip
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, siblings, limit,
+                          most, (WARM_START_ATTR, SIBLING_START_ATTR))  # fmt: skip
 
 
 def revisit(
@@ -736,36 +767,53 @@ def revisit(
     neighbours,
     limit: int,
     most: int = WARM_START,
+    siblings=(),
 ) -> list[dict[str, Any]]:
     """``warm_start`` for a study that has run: enqueue the nearest ``neighbours``' best configs
-    (made to fit) that it has not tried, ``most`` at most, within its budget. The local search
+    (made to fit) that it has not tried, ``most`` at most, then the ``siblings``' bests at this
+    bucket that it has not tried, ``most`` more at most, within its budget. The local search
     runs a variant's studies in order, so the first ones ran before any neighbour had a best:
     the first study of the portable MXFP4 MLA decode (16 rows) ended at the template default,
     its neighbours all slower, while the 32-row study's best, three steps away, is 25 % faster
-    there. A queued point always runs (``StopRule.met``); one that beats the study's best makes
-    the local search go on from it. Returns the configs enqueued."""
+    there; and the variants of a template in order, so a variant's study ran before its later
+    siblings' did. A queued point always runs (``StopRule.met``); one that beats the study's
+    best makes the local search go on from it. Returns the configs enqueued."""
     if not finished(study.get_trials(deepcopy=False)):
         return []  # not run yet: the first pass's warm start is the study's
-    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most,
-                          REVISIT)  # fmt: skip
+    return _enqueue_bests(study, spec, bucket, space, storage, neighbours, siblings, limit,
+                          most, (REVISIT, SIBLING_REVISIT))  # fmt: skip
 
 
-REVISIT = "revisit"  # the user attribute of a trial the second pass queued: the bucket's key
+# The user attributes of queued trials: a neighbouring bucket's best (the bucket's key) or a
+# sibling variant's (its name), queued at the study's start or by the second pass.
+WARM_START_ATTR = "warm_start"
+SIBLING_START_ATTR = "sibling_start"
+REVISIT = "revisit"
+SIBLING_REVISIT = "sibling_revisit"
 
 
-def _enqueue_bests(study, spec, bucket, space, storage, neighbours, limit, most, why):
+def _enqueue_bests(study, spec, bucket, space, storage, neighbours, siblings, limit, most, why):
     """Queue the nearest ``neighbours``' bests (made to fit) that ``study`` does not hold,
-    ``most`` at most and within ``limit`` trials, each trial marked ``why`` = the bucket."""
+    ``most`` at most, then the ``siblings``' bests at ``bucket``, ``most`` more at most, all
+    within ``limit`` trials; each trial marked ``why[0]`` = the bucket's key (a neighbour's)
+    or ``why[1]`` = the variant's name (a sibling's)."""
     trials = study.get_trials(deepcopy=False)
     have = [t.params or t.system_attrs.get("fixed_params") for t in trials]
     queued = []
-    for other, meta in _neighbour_bests(spec, bucket, space, storage, neighbours):
-        if len(queued) >= most or len(counted(trials)) + len(queued) >= limit:
-            break
-        if meta in have or meta in queued:
-            continue
-        study.enqueue_trial(meta, user_attrs={why: bucket_key(other)}, skip_if_exists=True)
-        queued.append(meta)
+    sources = (
+        (why[0], _neighbour_bests(spec, bucket, space, storage, neighbours)),
+        (why[1], _sibling_bests(spec, bucket, space, storage, siblings)),
+    )
+    for attr, bests in sources:
+        taken = 0
+        for source, meta in bests:
+            if taken >= most or len(counted(trials)) + len(queued) >= limit:
+                break
+            if meta in have or meta in queued:
+                continue
+            study.enqueue_trial(meta, user_attrs={attr: source}, skip_if_exists=True)
+            queued.append(meta)
+            taken += 1
     return queued
 
 
