@@ -122,9 +122,10 @@ def tune_cmd(
     this command), the trials of every study are spread over all workers. Right after a
     study's trials, the worker that ran them times its best few configs again in alternated
     rounds (--confirm), so that one lucky timing does not pick the config. A study starts from the
-    template's default, the config the tuned JSON holds, and the best configs of its nearest
-    already-tuned buckets, and ends early once more trials stop paying (--patience); with the
-    local search each study then tries the bests its neighbouring buckets found after it ran.
+    template's default, the config the tuned JSON holds, the best configs of its nearest
+    already-tuned buckets and those of its sibling variants (the same template) at its bucket,
+    and ends early once more trials stop paying (--patience); with the local search each study
+    then tries the bests its neighbouring buckets and sibling variants found after it ran.
     A trial that runs out of GPU memory is tried again after waits, then queued once more.
     """
     import torch
