@@ -304,8 +304,10 @@ class Progress:
             st = left[0][0]
             text += f"; now {st.spec.name} @ {tuner.bucket_key(st.bucket)}"
         if not left and self.second_pass:
-            text += ("; the second pass: each study runs the bests its neighbours and sibling "
-                     "variants found later")
+            text += (
+                "; the second pass: each study runs the bests its neighbours and sibling "
+                "variants found later"
+            )
         if left and (seconds or all(prior is not None for *_, prior in left)):
             mean = {f: sum(ss) / len(ss) for f, ss in seconds.items()}
             slowest = max(mean.values(), default=0.0)
