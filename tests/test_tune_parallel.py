@@ -417,6 +417,13 @@ def test_the_second_pass_takes_a_later_sibling_variant_s_best(tmp_path):
         None,
     ]  # the first study's best was the default: nothing to queue beside it
     assert started.trials[0].params == sibling.default_meta(**bucket)
+    # resumed: both passes find both studies done and nothing new to take; no trial runs
+    ran = len(_evaluations(log))
+    _, exits, lines = _run(journal, "local", 40, log, workers=1, stop=stop,
+                           jobs=[(SPEC, bucket), (sibling, bucket)],
+                           trap=f"16:{json.dumps(theirs)}", trap_only=SPEC.name)  # fmt: skip
+    assert [e.returncode for e in exits] == [0], lines
+    assert len(_evaluations(log)) == ran
 
 
 def test_a_gpu_whose_memory_stays_taken_gets_few_fresh_workers(tmp_path):

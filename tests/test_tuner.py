@@ -393,6 +393,26 @@ def test_a_fresh_study_also_starts_from_its_sibling_variants_bests_at_its_bucket
     assert queued.user_attrs == {tuner.WARM_START_ATTR: tuner.bucket_key(fresh)}
 
 
+def test_a_sibling_s_best_that_fails_here_never_wins(override, storage):
+    """A sibling variant's best queued at the start that is wrong for this variant (its check
+    fails here): a failed trial, never the study's result; the study's best is its own."""
+    sibling = StoreMXFP4MLASpec(32, 512, "fp16", "paged", "sm90", "gpu")
+    tuner.run_study(sibling, BUCKET, SPACE, far_time, storage=storage, sampler="local",
+                    n_trials=20)  # fmt: skip
+    theirs = tuner.load_result(sibling, BUCKET, storage).meta
+    broken = {k: theirs[k] for k in ("rows_per_program", "num_warps")}
+    rec = Recorder(broken=broken)
+    r = tuner.run_study(SPEC, BUCKET, SPACE, rec, storage=storage, sampler="local", n_trials=6,
+                        siblings=[sibling])  # fmt: skip
+    assert rec.calls[1] == theirs and r.failed >= 1
+    assert r.meta != theirs and fake_time(r.meta) == min(
+        fake_time(c) for c in rec.calls if c != theirs
+    )
+    study = optuna.load_study(study_name=tuner.study_name(SPEC, BUCKET), storage=storage)
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert [t.user_attrs.get(tuner.SIBLING_START_ATTR) for t in failed] == [sibling.name]
+
+
 def test_a_study_that_ran_before_its_neighbours_tries_their_bests_and_walks_on(storage):
     """The local search's second pass (``revisit``): a study that ended at a local optimum
     before its neighbouring bucket had a result runs that bucket's best (a queued point runs
