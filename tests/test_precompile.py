@@ -328,6 +328,48 @@ def test_the_gqa_rows_variant_compiles_at_every_bucket_the_portable_one_at_one_a
     assert len({r for v, r in at if v == "portable"}) == 2  # one bucket of {4, 8}, {16, 32}
 
 
+def test_the_pool_also_compiles_the_sibling_variants_tuned_configs(monkeypatch):
+    """The compile pool's plan also holds, for each study, the tuned JSON's configs of the
+    other variants of its template at its bucket (made to fit), as start points with no ring
+    around them: the configs the first pass's sibling starts queue (``tuner.warm_start``)
+    where the siblings' studies end at them, compiled ahead instead of in the trials."""
+    from kvgen.families.gqa_decode import GQADecodeSpec
+    from kvgen.space import load_space
+    from kvgen.tune import run as tune_run
+
+    mine = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    sibling = GQADecodeSpec(128, 128, "bf16", "fp8e4m3", 0, "portable", "sm90", "gpu")
+    space = load_space(mine.template)
+    bucket = {"rows": 32}
+    default = mine.default_meta(**bucket)
+    feasible = space.feasible(mine, bucket)
+    far = max(feasible, key=lambda m: space.steps(m, default))
+    assert space.steps(far, default) > precompile.COMPILE_RADIUS
+
+    class Study:
+        def __init__(self, spec, bucket):
+            self.spec, self.space, self.bucket = spec, space, bucket
+
+    captured = []
+    monkeypatch.setattr(tune_run.tuner, "study_done", lambda *a, **k: False)
+
+    def incumbent(spec, b):  # the sibling's tuned config at the bucket: ``far``
+        return far if spec == sibling and b == bucket else None
+
+    monkeypatch.setattr(tune_run.tuner, "incumbent", incumbent)
+    monkeypatch.setattr(precompile, "precompile", lambda tasks, *a, **k: captured.extend(tasks))
+
+    def planned(studies):
+        captured.clear()
+        tune_run._precompile(studies, None, tune_run.Options("sm90"), 2, log=lambda line: None)
+        return {(t.spec.name, space.compile_key(m), t.ring) for t in captured for m in t.metas}
+
+    key = space.compile_key(far)
+    assert (mine.name, key, 0) in planned([Study(mine, bucket), Study(sibling, bucket)])
+    # no sibling study at the bucket: its tuned config is no start point
+    assert not any(n == mine.name and k == key for n, k, _ in planned([Study(mine, bucket)]))
+
+
 COMPILE_ONLY_SCRIPT = """
 import os, sys
 import torch, triton, triton.language as tl

@@ -11,8 +11,10 @@ What is compiled ahead is what a local search visits first (``plan``), nearest f
 that a budget cut leaves every study its nearest points: the start points of a variant's
 studies (the template default and the tuned JSON's config of each bucket) and the points
 within ``COMPILE_RADIUS`` steps of them (beside the workers: every ring, until they are done),
-``RING_WINDOW`` rings at a time in the order the studies run (the workers need the first
-studies' neighbourhoods first, not every study's start points),
+with the tuned JSON's configs of the variant's siblings (the same template) at its buckets
+and no ring around those (``run._precompile``), ``RING_WINDOW`` rings at a time in the order
+the studies run (the workers need the first studies' neighbourhoods first, not every study's
+start points),
 once for each class of buckets whose launches Triton specialises alike (``compile_class``), at
 one bucket of the class. A study that walks further compiles the rest in the trial that needs
 it. (Compiling every feasible point instead is 3967

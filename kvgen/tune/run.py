@@ -355,6 +355,7 @@ def _precompile(
     by_variant: dict[str, list[Study]] = {}
     for st in studies:
         by_variant.setdefault(st.spec.name, []).append(st)
+    tuned_at = {(st.spec.name, tuner.bucket_key(st.bucket)) for st in studies}
     entries = []
     for mine in by_variant.values():
         spec, space = mine[0].spec, mine[0].space
@@ -373,6 +374,26 @@ def _precompile(
             seeds = [spec.default_meta(**st.bucket) for st in sts]
             return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
 
+        siblings = [
+            other[0].spec
+            for other in by_variant.values()
+            if other[0].spec.name != spec.name and other[0].spec.template == spec.template
+        ]
+
+        def sibling_points(sts, spec=spec, space=space, siblings=siblings):
+            """The tuned JSON's configs of the sibling variants (the same template) at the
+            studies' buckets, made to fit: the likely sibling starts (``tuner.warm_start``)."""
+            points = []
+            for st in sts:
+                for other in siblings:
+                    if (other.name, tuner.bucket_key(st.bucket)) not in tuned_at:
+                        continue
+                    meta = tuner.incumbent(other, st.bucket)
+                    fit = meta and tuner.nearest_feasible(meta, space, spec, st.bucket)
+                    if fit and fit not in points:
+                        points.append(fit)
+            return points
+
         full = sum(len(values) - 1 for values in space.params.values())  # every point
         # Beside the workers, the pool goes on ring by ring until the workers are done (its
         # cores are idle otherwise, and a walk past the first rings compiles in its trials:
@@ -389,6 +410,9 @@ def _precompile(
         for sts in classes.values():
             bucket = sts[len(sts) // 2].bucket
             entries.append((spec, space, bucket, start_points(sts), radius))
+            # the siblings' tuned configs themselves (no ring around them: most studies end
+            # at their own start points' neighbourhood)
+            entries.append((spec, space, bucket, sibling_points(sts), 0))
     tasks = precompile.plan(entries)
     if cancel is not None:  # beside the workers: compile only, until the trials are over
         # KVGEN_TUNE_COMPILER replaces the GPU compile (the tests' fake one)
