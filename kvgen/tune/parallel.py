@@ -310,9 +310,7 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         limit = tuner.budget(space, plan.sampler, plan.n_trials, spec, bucket)
         rule = stop.for_study(spec, bucket, space)  # (the local rule: bound once a study)
         neighbours = [b for s, b in plan.jobs if s == spec and b != bucket]
-        siblings = list(dict.fromkeys(
-            s for s, b in plan.jobs if s != spec and s.template == spec.template and b == bucket
-        ))  # fmt: skip
+        siblings = tuner.siblings_of(spec, [s for s, b in plan.jobs if b == bucket])
         if again and not tuner.revisit(study, spec, bucket, space, storage, neighbours, limit,
                                        siblings=siblings):  # fmt: skip
             continue  # nothing new from its neighbours and siblings (or not run)

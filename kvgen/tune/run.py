@@ -374,11 +374,7 @@ def _precompile(
             seeds = [spec.default_meta(**st.bucket) for st in sts]
             return seeds + [m for st in sts if (m := tuner.incumbent(spec, st.bucket))]
 
-        siblings = [
-            other[0].spec
-            for other in by_variant.values()
-            if other[0].spec.name != spec.name and other[0].spec.template == spec.template
-        ]
+        siblings = tuner.siblings_of(spec, [other[0].spec for other in by_variant.values()])
 
         def sibling_points(sts, spec=spec, space=space, siblings=siblings):
             """The tuned JSON's configs of the sibling variants (the same template) at the

@@ -695,17 +695,24 @@ def nearest_feasible(
     return next((q for q in ranked if not space.violations(spec, q, bucket)), None)
 
 
+def _fitted_best(spec, bucket, space, storage, other_spec, other_bucket):
+    """The best config of ``other_spec``'s study at ``other_bucket`` made to fit ``spec`` at
+    ``bucket`` (``nearest_feasible``); None where that study has no result."""
+    result = load_result(other_spec, other_bucket, storage)
+    meta = result.meta if result is not None else None
+    return nearest_feasible(meta, space, spec, bucket) if meta is not None else None
+
+
 def _neighbour_bests(spec, bucket, space, storage, neighbours):
     """``(other bucket's key, its best config made to fit this bucket)`` for the ``neighbours``
     buckets' studies that have a result, nearest bucket first."""
     for other in sorted(neighbours, key=lambda b: configs.bucket_distance(bucket, b)):
-        if other == bucket:
-            continue
-        result = load_result(spec, other, storage)
-        meta = result.meta if result is not None else None
-        fit = nearest_feasible(meta, space, spec, bucket) if meta is not None else None
+        fit = _fitted_best(spec, bucket, space, storage, spec, other) if other != bucket else None
         if fit is not None:
             yield bucket_key(other), fit
+
+
+_ABSENT = object()
 
 
 def spec_distance(spec, other) -> int:
@@ -714,21 +721,20 @@ def spec_distance(spec, other) -> int:
     return sum(mine.get(k, _ABSENT) != theirs.get(k, _ABSENT) for k in mine.keys() | theirs.keys())
 
 
-_ABSENT = object()
+def siblings_of(spec, specs) -> list:
+    """The variants among ``specs`` that share ``spec``'s template (``spec`` itself left out),
+    each once, in their order."""
+    return list(dict.fromkeys(s for s in specs if s != spec and s.template == spec.template))
 
 
 def _sibling_bests(spec, bucket, space, storage, siblings):
     """``(sibling's name, its best config at ``bucket`` made to fit this variant)`` for the
-    ``siblings`` (other variants of the same template: another cache format, query dtype,
-    ...) whose study at ``bucket`` has a result, the nearest variant first (the fewest fields
-    apart), then in the order given."""
-    ranked = sorted(enumerate(siblings), key=lambda p: (spec_distance(spec, p[1]), p[0]))
-    for _, other in ranked:
-        if other == spec or other.template != spec.template:
-            continue
-        result = load_result(other, bucket, storage)
-        meta = result.meta if result is not None else None
-        fit = nearest_feasible(meta, space, spec, bucket) if meta is not None else None
+    ``siblings_of`` ``spec`` among ``siblings`` (other variants of the same template: another
+    cache format, query dtype, ...) whose study at ``bucket`` has a result, the nearest
+    variant first (the fewest fields apart), then in the order given."""
+    mine = siblings_of(spec, siblings)
+    for other in sorted(mine, key=lambda o: (spec_distance(spec, o), mine.index(o))):
+        fit = _fitted_best(spec, bucket, space, storage, other, bucket)
         if fit is not None:
             yield other.name, fit
 
