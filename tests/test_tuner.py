@@ -1204,6 +1204,49 @@ def test_the_gpu_evaluator_settles_a_run_of_retimings_fully_only_before_its_firs
     assert settles == [short, full, short, short, short, short, full, short]
 
 
+def test_the_gpu_evaluator_checks_and_sizes_a_config_once(monkeypatch):
+    """A config the GPU evaluator has checked and sized (its trial) is re-timed without a
+    second check or eager sizing: each re-timing is the graph's timing alone, with the size
+    the first timing found; a config whose check failed is checked again (and fails again),
+    never timed; ``evaluate.seconds`` holds the sizing apart from the timing."""
+    from kvgen.bench import harness
+    from kvgen.tune import problems
+
+    checks, sizings, graphs = [], [], []
+
+    def check(meta):
+        checks.append(dict(meta))
+        return meta.get("ok", True)
+
+    monkeypatch.setattr(problems, "problem", lambda spec, bucket, device: (
+        lambda i, meta: None, check, 2))  # fmt: skip
+
+    def eager_time_us(step, n_sets, iters=200):
+        sizings.append(1)
+        return 100.0
+
+    def graph_time_us(step, n_sets, calls=None, replays=20, trials=7, settle_ms=0.0):
+        graphs.append((calls, replays))
+        return 1.0
+
+    monkeypatch.setattr(harness, "eager_time_us", eager_time_us)
+    monkeypatch.setattr(harness, "graph_time_us", graph_time_us)
+    evaluate = problems.gpu_evaluator(SPEC, BUCKET, device="cpu")
+    evaluate({"a": 1})
+    for _ in range(3):
+        evaluate.confirm({"a": 1})
+    evaluate.confirm({"a": 2})  # (a config only re-timed: checked and sized at its first)
+    evaluate.confirm({"a": 2})
+    for _ in range(2):
+        with pytest.raises(tuner.TrialFailed):
+            evaluate.confirm({"a": 3, "ok": False})
+    assert checks == [{"a": 1}, {"a": 2}, {"a": 3, "ok": False}, {"a": 3, "ok": False}]
+    assert len(sizings) == 2
+    # 100 us a call: max(n_sets, 500 / 100 + 1) calls, 20000 / (6 * 100) + 1 replays
+    assert graphs == [(6, 10)] * 6
+    assert set(evaluate.seconds) == {"first check", "check", "sizing", "timing"}
+
+
 def test_confirm_retimes_a_lone_best_and_nothing_its_median_leaves_behind(
     override, storage, tmp_path
 ):

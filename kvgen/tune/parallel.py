@@ -383,8 +383,9 @@ def work(plan: Plan, log: Callable[[str], None] = print) -> int:
         )
         try:
             _confirm_here(
-                plan, spec, bucket, study, storage, evaluate, limit, rule, me, deadline, log
-            )
+                plan, spec, bucket, study, storage, evaluate, limit, rule, me, deadline, log,
+                split,
+            )  # fmt: skip
         except tuner.TrialLost as exc:  # (the coordinator re-times the study after the workers)
             log(f"{label}: out of GPU memory while re-timing, left to the coordinator: {exc}")
             _release_memory()
@@ -410,14 +411,15 @@ CONFIRM_WAIT_S = 300.0  # longest wait for other workers' last trials of a study
 
 
 def _confirm_here(
-    plan, spec, bucket, study, storage, evaluate, limit, stop, me, deadline, log
+    plan, spec, bucket, study, storage, evaluate, limit, stop, me, deadline, log, split=None
 ) -> None:
     """Re-time the study's best configs in this worker (its inputs are built) when the study
     has taken its budget and this worker wins the claim (``tuner.claim_confirmation``), once
     the other workers' last trials of it have finished; the result is stored on the study,
     where the coordinator reads it. With several GPUs the claims spread the re-timing over
     them, while the other workers go on with the next studies. ``stop``: the study's stop rule
-    (``StopRule.for_study``)."""
+    (``StopRule.for_study``); ``split``: the evaluator's ``seconds`` (where its wall time
+    went), whose share of the re-timing the log line shows."""
     from kvgen.tune import tuner
 
     if plan.confirm <= 0 or (deadline is not None and time.monotonic() >= deadline):
@@ -433,6 +435,7 @@ def _confirm_here(
     if not tuner.claim_confirmation(study, me, key):
         return
     t0 = time.monotonic()
+    before = dict(split or {})
     if not tuner.wait_until_finished(study, CONFIRM_WAIT_S):
         return  # a trial still running elsewhere: the coordinator confirms after the workers
     r = tuner.confirm(spec, bucket, storage, evaluate, top=plan.confirm, stop=stop, record=True)
@@ -442,9 +445,10 @@ def _confirm_here(
             f"{med:.2f} us {m}" + (f" (trial {trial:.2f})" if trial is not None else "")
             for m, med, trial in r.retimed
         ]
+        spent = "".join(f", {v - before.get(k, 0.0):.1f} s {k}" for k, v in (split or {}).items())
         log(
-            f"{spec.name} @ {tuner.bucket_key(bucket)}: re-timed in {time.monotonic() - t0:.1f} s,"
-            f" best {'; '.join(each)}"
+            f"{spec.name} @ {tuner.bucket_key(bucket)}: re-timed in {time.monotonic() - t0:.1f} s"
+            f"{f' ({spent[2:]})' if spent else ''}, best {'; '.join(each)}"
         )
 
 

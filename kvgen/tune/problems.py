@@ -52,16 +52,19 @@ TRIAL_SETTLE_MS = 10.0
 def gpu_evaluator(spec, bucket, device="cuda"):
     """``evaluate(meta) -> us``: check against the reference, then time with CUDA graphs
     (settling ``TRIAL_SETTLE_MS``); ``evaluate.confirm(meta)`` times the same way, the first of
-    a run of such calls with the bench's full settle (``harness.SETTLE_MS``).
+    a run of such calls with the bench's full settle (``harness.SETTLE_MS``). A config is
+    checked and its graph sized once an evaluator: a re-timing of a config this evaluator has
+    timed goes straight to its graph's timing.
     ``evaluate.seconds`` adds up where the wall time went:
     ``first check`` (the reference is made there, once a problem), ``check`` (the others: a
     config's first launch in this process compiles, unless compiled ahead, or loads its
-    binary), ``timing``."""
+    binary), ``sizing`` (an eager timing that sizes the graph), ``timing`` (the graph's
+    capture, settle and timed replays)."""
     import os
     import time
 
     run, check, n_sets = problem(spec, bucket, device)
-    seconds = {"first check": 0.0, "check": 0.0, "timing": 0.0}
+    seconds = {"first check": 0.0, "check": 0.0, "sizing": 0.0, "timing": 0.0}
     listen_to_compiles()
     drop_ptx_dumps()  # (a failed compile is the trial's failure, ptxas' lines its reason)
     start, start_s = dict(COMPILES), COMPILE_SECONDS[0]
@@ -76,21 +79,31 @@ def gpu_evaluator(spec, bucket, device="cuda"):
     trial_settle = float(os.environ.get("KVGEN_TUNE_TRIAL_SETTLE_MS", TRIAL_SETTLE_MS))
 
     last = ["trial"]  # what this evaluator timed last: a "trial" or a "confirm"
+    # the configs this evaluator has checked (right) and sized: point -> (calls, replays); a
+    # re-timing of one of them neither checks it again nor sizes its graph again
+    sized: dict[tuple, tuple[int, int]] = {}
 
     def timed(meta, settle_ms):
+        point = tuple(sorted(meta.items()))
         t0 = time.perf_counter()
-        ok = check(meta)
+        if point in sized:
+            calls, replays = sized[point]
+        else:
+            ok = check(meta)
+            seconds["check" if checked else "first check"] += time.perf_counter() - t0
+            checked.append(1)
+            tally()
+            if not ok:
+                raise TrialFailed("wrong result")
+            t0 = time.perf_counter()
+            # Size the graph to the kernel: at least ~0.5 ms of work per graph and ~20 ms per
+            # timed trial, so that a 1 ms decode does not cost seconds per candidate.
+            est = harness.eager_time_us(lambda i: run(i, meta), n_sets, iters=max(1, n_sets))
+            calls = max(n_sets, min(32, int(500 / max(est, 1e-3)) + 1))
+            replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
+            seconds["sizing"] += time.perf_counter() - t0
+            sized[point] = calls, replays
         t1 = time.perf_counter()
-        seconds["check" if checked else "first check"] += t1 - t0
-        checked.append(1)
-        tally()
-        if not ok:
-            raise TrialFailed("wrong result")
-        # Size the graph to the kernel: at least ~0.5 ms of work per graph and ~20 ms per
-        # timed trial, so that a 1 ms decode does not cost seconds per candidate.
-        est = harness.eager_time_us(lambda i: run(i, meta), n_sets, iters=max(1, n_sets))
-        calls = max(n_sets, min(32, int(500 / max(est, 1e-3)) + 1))
-        replays = max(2, min(10, int(20_000 / (calls * max(est, 1e-3))) + 1))
         us = harness.graph_time_us(
             lambda i: run(i, meta), n_sets, calls=calls, replays=replays, trials=5,
             settle_ms=settle_ms,
