@@ -6,8 +6,10 @@ cached in the worker; and each study's re-timing).
 
 "first check" holds each study's reference (made once a problem), "check" the other checks,
 where a config's first launch in the worker compiles it (unless the compile pool had) or loads
-its binary; "compiled" counts the kernels the worker compiled itself, and "compiling" the
-seconds those compiles took, within the checks and the timing (logs that say so). "in all" is
+its binary; "sizing" the eager timings that size a config's graph (logs that say so);
+"re-t. checks" the checks and sizings within the re-timing (logs that say so); "compiled"
+counts the kernels the worker compiled itself, and "compiling" the seconds those compiles
+took, within the checks and the timing (logs that say so). "in all" is
 each study's time in the worker from end to end, "opening" the part before its inputs were
 built (opening the study in the storage, its warm start): "in all" less "total", "re-timing"
 and "opening" is the study's clean-up and bookkeeping (logs that say so). "studies" counts
@@ -32,15 +34,20 @@ STUDY = re.compile(
 # a trial out of GPU memory tried again in place, and one given up (its point queued again)
 OOM_RETRY = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: out of GPU memory in a trial")
 LOST = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: a trial lost")
-RETIMED = re.compile(r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s")
+RETIMED = re.compile(
+    r"\[gpu \S+\] (?P<name>\S+) @ \S+: re-timed in (?P<s>[\d.]+) s(?: \((?P<parts>[^)]*)\))?"
+)
 TRIAL_READING = re.compile(r"\(trial (?P<us>[\d.]+)\)")  # each re-timed config's, chosen first
 IN_ALL = re.compile(
     r"\[gpu \S+\] (?P<name>\S+) @ \S+: (?P<all>[\d.]+) s in all \((?P<open>[\d.]+) s opening"
 )
 PART = re.compile(r"(?P<v>[\d.]+) (?:s |kernels )(?P<k>[a-z ]+)")
 COLUMNS = ("studies", "again", "trials", "total", "building inputs", "first check", "check",
-           "timing", "re-timing", "compiled", "cached", "compiling", "in all", "opening",
-           "oom retries", "lost", "overruled")  # fmt: skip
+           "sizing", "timing", "re-timing", "re-t. checks", "compiled", "cached", "compiling",
+           "in all", "opening", "oom retries", "lost", "overruled")  # fmt: skip
+# the parts of a re-timing line (logs that say so) that are not the graphs' timing: checks and
+# eager sizings of configs the re-timing timed first in the worker
+RETIME_CHECKS = ("first check", "check", "sizing")
 COUNTS = ("studies", "again", "trials", "compiled", "cached", "oom retries", "lost", "overruled")
 
 
@@ -63,6 +70,9 @@ def summarize(lines) -> dict[str, dict[str, float]]:
         elif m := RETIMED.search(line):
             row = out[m["name"].split("-")[0]]
             row["re-timing"] += float(m["s"])
+            for part in (m["parts"] or "").split(", "):
+                if (p := PART.fullmatch(part.strip())) and p["k"] in RETIME_CHECKS:
+                    row["re-t. checks"] += float(p["v"])
             readings = [float(r["us"]) for r in TRIAL_READING.finditer(line)]
             if len(readings) >= 2 and readings[0] > min(readings):
                 row["overruled"] += 1

@@ -20,7 +20,8 @@ tuning 3 studies, 40 trials each at most, sampler local, on 1 GPU(s)
 (0.5 s opening the study and its warm start)
 [gpu 0] gqa_decode-d128-dv128-bf16-kvint8-g0-rows-sm90-gpu @ rows=4: re-timed in 2.0 s, best \
 257.10 us {'num_stages': 2} (trial 259.20); 258.00 us {'num_stages': 3} (trial 258.90)
-[gpu 1] store_mxfp4_mla-g32-l512-fp16-paged-sm90-gpu @ num_tokens=4: re-timed in 0.5 s, best \
+[gpu 1] store_mxfp4_mla-g32-l512-fp16-paged-sm90-gpu @ num_tokens=4: re-timed in 0.5 s \
+(0.0 s first check, 0.1 s check, 0.2 s sizing, 0.2 s timing), best \
 1.04 us {'rows_per_program': 2} (trial 1.04); 1.10 us {'rows_per_program': 4} (trial 1.06)
 progress: 3/3 studies done in 0.6 min
 [gpu 0] store_mxfp4_mla-g32-l512-bf16-paged-sm90-gpu @ num_tokens=1: out of GPU memory in a \
@@ -49,6 +50,8 @@ def test_study_and_retiming_lines_are_summed_by_family(tmp_path):
     assert rows["gqa_decode"]["compiling"] == 18.5 and mx["compiling"] == 0.0  # (older logs)
     assert rows["gqa_decode"]["in all"] == 33.5 and rows["gqa_decode"]["opening"] == 0.5
     assert mx["in all"] == 0.0  # (older logs)
+    # a re-timing line's split: its checks and sizings apart from the graphs' timing
+    assert abs(mx["re-t. checks"] - 0.3) < 1e-9 and rows["gqa_decode"]["re-t. checks"] == 0.0
     log = tmp_path / "tune.log"
     log.write_text(LOG)
     assert summary.main([str(log)]) == 0
