@@ -7,6 +7,8 @@ tuned configs of ``$KVGEN_TUNED_CONFIGS`` or the package's.
 Cases (default: all), each at batch 128 x 4096:
   gqa-bf16, gqa-int8, gqa-fp8e4m3, gqa-int4   paged GQA decode, 8 KV heads x 128, block 16,
                                               32 query heads (``flash_attn_with_kvcache``)
+  gqa-int8-inline, gqa-fp8e4m3-inline,        the same over vLLM's rows, the scales inline
+  gqa-int4-inline
   mla-bf16, mla-fp8_ds_mla, mla-mxfp4         576/512 MLA decode, page 64, 16 heads
                                               (``flash_mla_with_kvcache``)
 Each op runs twice (the first compiles and warms); L2 is flushed before the second. Prints the
@@ -24,12 +26,15 @@ from kvgen.ops import flash_attn_with_kvcache, flash_mla_with_kvcache, get_mla_m
 BATCH, SEQLEN = 128, 4096
 DEVICE = "cuda"
 GQA = {"gqa-bf16": ("auto", 0), "gqa-int8": ("int8", 0), "gqa-fp8e4m3": ("fp8e4m3", 0),
-       "gqa-int4": ("int4", 32)}  # fmt: skip
+       "gqa-int4": ("int4", 32), "gqa-int8-inline": ("int8", 0, "inline"),
+       "gqa-fp8e4m3-inline": ("fp8e4m3", 0, "inline"),
+       "gqa-int4-inline": ("int4", 32, "inline")}  # fmt: skip
 MLA = ("mla-bf16", "mla-fp8_ds_mla", "mla-mxfp4")
 
 
-def gqa_call(kv, group):
-    q, k, v, ks, vs, table, sl = gqa_bench.problem(kv, group, [SEQLEN] * BATCH, 32, DEVICE)
+def gqa_call(kv, group, layout="nhd"):
+    q, k, v, ks, vs, table, sl = gqa_bench.problem(kv, group, [SEQLEN] * BATCH, 32, DEVICE,
+                                                   layout=layout)  # fmt: skip
     return lambda: flash_attn_with_kvcache(
         q, k, v, cache_seqlens=sl, block_table=table, k_scale_cache=ks, v_scale_cache=vs
     )
