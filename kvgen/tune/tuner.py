@@ -732,8 +732,8 @@ def _sibling_bests(spec, bucket, space, storage, siblings):
     ``siblings_of`` ``spec`` among ``siblings`` (other variants of the same template: another
     cache format, query dtype, ...) whose study at ``bucket`` has a result, the nearest
     variant first (the fewest fields apart), then in the order given."""
-    mine = siblings_of(spec, siblings)
-    for other in sorted(mine, key=lambda o: (spec_distance(spec, o), mine.index(o))):
+    # (sorted is stable: variants as far apart keep their order)
+    for other in sorted(siblings_of(spec, siblings), key=lambda o: spec_distance(spec, o)):
         fit = _fitted_best(spec, bucket, space, storage, other, bucket)
         if fit is not None:
             yield other.name, fit
