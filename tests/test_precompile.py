@@ -1,6 +1,7 @@
 """What ``kvgen tune`` compiles ahead (``kvgen.tune.precompile``): the start points and their
 neighbourhood, nearest first across variants, in one pool of processes; with a fake checker."""
 
+import collections
 import json
 import os
 import re
@@ -136,7 +137,13 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     built = (tmp_path / "checks.log.factories").read_text().splitlines()
     assert len(built) < len(tasks)  # problems are kept between a process's tasks
     assert any("start points" in x for x in lines) and any("1 step(s)" in x for x in lines)
-    assert "compiled" in lines[-2] and KV.name in lines[-1]  # where the process time went
+    summary = next(x for x in lines if x.startswith("  compiled "))
+    assert "most process time" in lines[lines.index(summary) + 1] and KV.name in lines[-2]
+    # the failures by kind, each with the variants it hit most
+    wrong = collections.Counter(name for (name, _, _), v in out.items() if v == "wrong result")
+    assert wrong and not any(v.startswith("RuntimeError") for v in out.values())
+    named = ", ".join(f"{n} {name}" for name, n in wrong.most_common())
+    assert lines[-1] == f"  failed: {wrong.total()} wrong result ({named})"
 
     log.unlink()
     os.unlink(str(log) + ".factories")
@@ -156,11 +163,12 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert sorted(out) == sorted(m for m in metas if m[0] == MXFP4.name)
     assert {c.split()[1].split("#")[0] for c in log.read_text().splitlines()} == {MXFP4.name}
     skipped = sum(len(t.metas) for t in tasks if t.spec == KV)
-    assert f"{skipped} skipped: their variant's studies were done" in lines[-2]
+    summary = next(x for x in lines if x.startswith("  compiled "))
+    assert f"{skipped} skipped: their variant's studies were done" in summary
     per_ring = [re.search(r"(\d+) skipped \(their variant's studies were done\)", x)
                 for x in lines if "from them" in x or "start points" in x]  # fmt: skip
     assert sum(int(m.group(1)) for m in per_ring if m) == skipped  # each ring's line says its own
-    assert "left to the trials" not in lines[-2]
+    assert "left to the trials" not in summary
 
     monkeypatch.setenv("KVGEN_FAKE_NO_PROBLEM", KV.name)  # a problem that cannot be built
     out = precompile.precompile(tasks, 2, checker="_fake_tuning:compile_checker")
@@ -168,6 +176,27 @@ def test_one_pool_compiles_every_task_in_order_and_stops_at_the_deadline(tmp_pat
     assert all(v.startswith("building the problem: RuntimeError: CUDA out of memory")
                for (name, _, _), v in out.items() if name == KV.name)  # fmt: skip
     assert any(v == "ok" for (name, _, _), v in out.items() if name == MXFP4.name)
+
+
+def test_the_pool_s_failures_are_counted_by_kind_with_the_variants_they_hit_most():
+    room = f"building the problem: {precompile.NoRoom.__name__}: 20% of the GPU's memory free"
+    outcome = {
+        ("a", "rows=4", "m1"): "ok",
+        ("a", "rows=4", "m2"): "wrong result",
+        ("b", "rows=4", "m1"): "wrong result",
+        ("b", "rows=8", "m1"): "wrong result",
+        ("b", "rows=4", "m2"): "PTXASError: ptxas fatal: entry function uses too much shared data",
+        ("c", "rows=4", "m1"): "building the problem: OutOfMemoryError: CUDA out of memory.",
+        ("d", "rows=4", "m1"): "PTXASError: ptxas error",
+        ("e", "rows=4", "m1"): "PTXASError: ptxas error",
+        ("a", "rows=4", "m3"): room,  # left to the trials for memory: not a failure
+    }
+    assert precompile.failure_kinds(outcome) == (
+        "3 PTXASError (1 b, 1 d, ...); 3 wrong result (2 b, 1 a); "
+        "1 building the problem: OutOfMemoryError (1 c)"
+    )
+    assert precompile.failure_kinds(outcome, kinds=1) == "3 PTXASError (1 b, 1 d, ...)"
+    assert precompile.failure_kinds({("a", "x", "m"): "ok", ("a", "x", "n"): room}) == ""
 
 
 def test_a_pool_process_builds_a_problem_only_where_the_gpu_keeps_its_reserve_free(

@@ -24,6 +24,7 @@ and the buckets of other classes compile in their trials anyway.)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -385,8 +386,35 @@ def precompile(
             "  most process time: "
             + "; ".join(f"{name} {s:.0f} s for {n}" for name, (s, n) in slowest if n)
         )
+        if bad:
+            progress(f"  failed: {failure_kinds(outcome)}")
     sys.stderr.flush()
     return outcome
+
+
+def failure_kinds(outcome: dict[tuple[str, str, str], str], kinds: int = 4) -> str:
+    """The ``outcome``'s failures by kind, the commonest ``kinds`` first, each with the variants
+    it hit most: ``"12 wrong result (3 a, 9 b); 5 PTXASError (5 b)"``. A kind is the exception's
+    name (``building the problem: `` kept before it), or ``wrong result``; the candidates left to
+    the trials for GPU memory (``NoRoom``) are not failures. A candidate the pool failed to
+    compile for another reason than its own (out of memory, say) compiles in its trial."""
+    counts: dict[str, collections.Counter] = {}
+    room = f"building the problem: {NoRoom.__name__}"
+    for (variant, _, _), why in outcome.items():
+        if why == "ok" or why.startswith(room):
+            continue
+        head, _, rest = why.partition("building the problem: ")
+        kind = "building the problem: " if not head and rest else ""
+        kind += (rest or why).split(":", 1)[0]
+        counts.setdefault(kind, collections.Counter())[variant] += 1
+    order = sorted(counts.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))[:kinds]
+    return "; ".join(
+        f"{sum(c.values())} {kind} ("
+        + ", ".join(f"{n} {name}" for name, n in c.most_common(2))
+        + (", ..." if len(c) > 2 else "")
+        + ")"
+        for kind, c in order
+    )
 
 
 def _results(results, cancel, poll_s: float = 0.5):
