@@ -74,6 +74,11 @@ def test_the_plan_goes_a_window_of_rings_at_a_time_in_study_order_in_small_chunk
             assert got_r == want
     one = precompile.plan(variants, chunk=3, window=1)  # window 1: ring by ring
     assert [t.ring for t in one] == sorted(t.ring for t in one)
+    # another order: entry after entry, each out to its last ring
+    whole = precompile.plan(variants, chunk=3, order=lambda ring, entry: (entry, ring))
+    assert [(entry[t.spec.name], t.ring) for t in whole] == sorted(
+        (entry[t.spec.name], t.ring) for t in tasks
+    )
 
 
 def test_a_candidate_two_entries_hold_at_one_bucket_is_compiled_once_in_the_nearer_ring():

@@ -58,14 +58,16 @@ class Task:
     ring: int
 
 
-def plan(entries, chunk: int = CHUNK, window: int = RING_WINDOW) -> list[Task]:
+def plan(entries, chunk: int = CHUNK, window: int = RING_WINDOW, order=None) -> list[Task]:
     """The compile tasks for ``entries``: ``(spec, space, bucket, seeds, radius)`` tuples
     (``bucket`` the one the candidates are checked at, ``seeds`` the start points, ``radius``
     how many steps around them), in the order the studies run (``entries``' order), ``window``
     rings of an entry at a time: rings 0 to ``window - 1`` of every entry, entry after entry,
     then the next ``window`` rings of every entry, ...; in chunks of ``chunk`` candidates. A
     candidate two entries hold at the same bucket comes once, in the nearer ring (of the
-    first of them, where the rings are equal)."""
+    first of them, where the rings are equal). ``order``: another order, a function of (ring,
+    entry index) that sorts the (ring, entry) groups (``benchmarks/pool_replay.py`` tries
+    some)."""
     ringed: dict[tuple, tuple[int, int, Any, dict, dict]] = {}
     for i, (spec, space, bucket, seeds, radius) in enumerate(entries):
         where = json.dumps(bucket, sort_keys=True)
@@ -78,8 +80,12 @@ def plan(entries, chunk: int = CHUNK, window: int = RING_WINDOW) -> list[Task]:
     for (name, where, _), (r, i, spec, bucket, meta) in ringed.items():
         groups.setdefault((r, i, name, where), []).append((spec, bucket, meta))
     tasks = []
-    order = sorted(groups.items(), key=lambda kv: (kv[0][0] // window, kv[0][1], kv[0][0]))
-    for (r, _, _, _), members in order:
+
+    def by_window(ring, entry):
+        return ring // window, entry, ring
+
+    key = order or by_window
+    for (r, _, _, _), members in sorted(groups.items(), key=lambda kv: key(*kv[0][:2])):
         spec, bucket = members[0][0], members[0][1]
         metas = [m for _, _, m in members]
         for i in range(0, len(metas), chunk):
