@@ -649,4 +649,15 @@ for label, constexprs, aligned, want in (
         print(f"{'ok  ' if ok else 'FAIL'} {label}: loads by LDG.E.128, stores by "
               f"{want.strip()}, {narrow} narrower")  # fmt: skip
 
+# benchmarks/tma_inline_rows.py: TMA boxes of vLLM's 132-byte inline rows at their own columns
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import tma_inline_rows as tma_rows  # noqa: E402
+
+box_types = {"desc": f"tensordesc<u8[16, 128],{tma_rows.LAYOUT!r}>"}
+box_types["tail_desc"] = f"tensordesc<u8[16, {tma_rows.TAIL}],{tma_rows.LAYOUT!r}>"
+compile_fn("tma_inline_rows boxes", tma_rows.boxes_kernel, {**box_types, "out_ptr": "*u8"},
+           {"PAGE": 16, "BOX": tma_rows.BOX, "ROW": tma_rows.ROW})  # fmt: skip
+compile_fn("tma_inline_rows read", tma_rows.read_kernel, {**box_types, "sums_ptr": "*i32"},
+           {"PAGE": 16, "ROW": tma_rows.ROW, "STAGES": 4})  # fmt: skip
+
 sys.exit(1 if failures else 0)
