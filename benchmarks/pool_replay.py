@@ -5,12 +5,13 @@ candidates the worker visited the pool would have compiled before the worker got
 
 From the run's journal (Optuna's journal file, gzipped or not): every first-pass trial's config
 and start time, and each variant's last first-pass trial (after it the pool skips the
-variant). From its log: the seconds a kernel the worker compiled cost it, per variant, and the
-pool's process seconds a candidate for the variants its summary names (1.5x the worker's for
-the others). The pool is modelled as ``--jobs`` processes taking its tasks in order, each
-candidate costing its variant's seconds; its entries are each (variant, compile class)'s
-studies with the first two configs each study tried as start points (the template default and
-the incumbent or a sibling's), every ring out to the whole space, as beside the workers.
+variant). From its log (its study lines read as ``tune_log_summary.py`` reads them): the
+seconds a kernel the worker compiled cost it, per variant, and the pool's process seconds a
+candidate for the variants its summary names (1.5x the worker's for the others). The pool is
+modelled as ``--jobs`` processes taking its tasks in order, each candidate costing its
+variant's seconds; its entries are each (variant, compile class)'s studies with the first two
+configs each study tried as start points (the template default and the incumbent or a
+sibling's), every ring out to the whole space, as beside the workers.
 
 A visited candidate (its compile key at its class) the pool had not compiled by the trial's
 start counts as a worker compile, once. The model's counts are those its inputs allow: a
@@ -25,51 +26,36 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
+import contextlib
 import gzip
 import heapq
-import json
 import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
-from kvgen.space import bucket_key, load_space
+from kvgen.space import load_space
 from kvgen.tune import plan as tune_plan
-from kvgen.tune import precompile
+from kvgen.tune import precompile, tuner
 
-WORKER = re.compile(
-    r"\[gpu \S+\] (\S+) @ \S+: ran \d+ trials .*?(\d+) kernels compiled, \d+ kernels cached, "
-    r"([\d.]+) s compiling"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its sibling, run as a script, -P)
+from tune_log_summary import PART, STUDY  # noqa: E402
+
 SECOND_PASS = re.compile(r"progress: \d+/\d+ studies done in ([\d.]+) min; the second pass")
 
 
-def read_journal(path: str) -> dict[str, list[dict]]:
-    """Study name -> its trials (``meta``, ``start``, ``end``: datetimes or None), in order."""
-    opener = gzip.open if path.endswith(".gz") else open
-    names, by_study, trials = [], collections.defaultdict(list), []
-    with opener(path, "rt") as f:
-        for line in f:
-            d = json.loads(line)
-            op = d["op_code"]
-            if op == 0:  # create study
-                names.append(d["study_name"])
-            elif op == 4:  # create trial
-                start = d.get("datetime_start")
-                t = {"meta": {}, "start": start and datetime.datetime.fromisoformat(start)}
-                t["end"] = None
-                trials.append(t)
-                by_study[names[d["study_id"]]].append(t)
-            elif op == 5:  # set a parameter (categorical: its index)
-                choices = json.loads(d["distribution"])["attributes"]["choices"]
-                trials[d["trial_id"]]["meta"][d["param_name"]] = choices[
-                    int(d["param_value_internal"])
-                ]
-            elif op == 6:  # set state (start, complete)
-                t = trials[d["trial_id"]]
-                if d.get("datetime_start"):
-                    t["start"] = datetime.datetime.fromisoformat(d["datetime_start"])
-                if d.get("datetime_complete"):
-                    t["end"] = datetime.datetime.fromisoformat(d["datetime_complete"])
-    return dict(by_study)
+@contextlib.contextmanager
+def open_journal(path: str):
+    """The run's Optuna storage (a gzipped journal read from an uncompressed copy)."""
+    if not path.endswith(".gz"):
+        yield tuner.storage_from(path, Path(path))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "run.journal"
+        with gzip.open(path, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        yield tuner.storage_from(str(copy), copy)
 
 
 def read_log(path: str):
@@ -78,9 +64,11 @@ def read_log(path: str):
     their seconds in all)."""
     text = open(path).read()
     worker = collections.defaultdict(lambda: [0, 0.0])
-    for m in WORKER.finditer(text):
-        worker[m.group(1)][0] += int(m.group(2))
-        worker[m.group(1)][1] += float(m.group(3))
+    for m in STUDY.finditer(text):  # (tune_log_summary's: a study's line in the worker)
+        parts = (PART.fullmatch(p.strip()) for p in m["parts"].split(", "))
+        got = {p["k"]: float(p["v"]) for p in parts if p}
+        worker[m["name"]][0] += int(got.get("compiled", 0))
+        worker[m["name"]][1] += got.get("compiling", 0.0)
     pool = {}
     m = re.search(r"most process time: (.*)", text)
     for part in m.group(1).split("; ") if m else []:
@@ -94,35 +82,36 @@ def read_log(path: str):
 
 class Replay:
     def __init__(self, journal: str, log: str, arch: str = "sm90", jobs: int = 7):
-        by_study = read_journal(journal)
         self.per_kernel, self.pool_s, end, self.logged = read_log(log)
-        starts = [t["start"] for ts in by_study.values() for t in ts if t["start"]]
-        t0 = min(starts)
+        studies = []  # (plan study, its trials that ran a config of its space, in order)
+        with open_journal(journal) as storage:
+            for st in tune_plan.plan(None, arch):
+                study = tuner.load_study(st.spec, st.bucket, storage)
+                trials = [] if study is None else study.get_trials(deepcopy=False)
+                trials = [t for t in trials if t.datetime_start and st.space.allows(t.params)]
+                if trials:
+                    studies.append((st, trials))
+        t0 = min(t.datetime_start for _, trials in studies for t in trials)
         end = float("inf") if end is None else end
         self.jobs = jobs
         self.visits = []  # (seconds, variant, class, compile key)
         self.done = collections.defaultdict(float)  # variant -> its last first-pass trial's end
-        classes = (
-            collections.OrderedDict()
-        )  # (variant, class) -> [spec, space, studies, seeds, first]
-        for st in tune_plan.plan(None, arch):
-            trials = [t for t in by_study.get(f"{st.spec.name}@{bucket_key(st.bucket)}", [])
-                      if t["start"] and st.space.allows(t["meta"])]  # fmt: skip
-            if not trials:
-                continue
+        # (variant, class) -> [spec, space, its studies, their start points, first trial's time]
+        classes = {}
+        for st, trials in studies:
             cls = precompile.compile_class(st.bucket, st.space.per_bucket)
             entry = classes.setdefault(
                 (st.spec.name, cls), [st.spec, st.space, [], [], float("inf")]
             )
             entry[2].append(st)
-            entry[3] += [t["meta"] for t in trials[:2] if t["meta"] not in entry[3]]
+            entry[3] += [t.params for t in trials[:2] if t.params not in entry[3]]
             for t in trials:
-                at = (t["start"] - t0).total_seconds()
+                at = (t.datetime_start - t0).total_seconds()
                 if at < end:
-                    self.visits.append((at, st.spec.name, cls, st.space.compile_key(t["meta"])))
+                    self.visits.append((at, st.spec.name, cls, st.space.compile_key(t.params)))
                     entry[4] = min(entry[4], at)
-                if t["end"] and (t["end"] - t0).total_seconds() < end:
-                    ended = (t["end"] - t0).total_seconds()
+                if t.datetime_complete and (t.datetime_complete - t0).total_seconds() < end:
+                    ended = (t.datetime_complete - t0).total_seconds()
                     self.done[st.spec.name] = max(self.done[st.spec.name], ended)
         self.entries, self.first = [], []
         for spec, space, studies, seeds, first in classes.values():

@@ -177,6 +177,10 @@ class NoRoom(RuntimeError):
     """The GPU's free memory is below the pool's reserve: the problem is not built here."""
 
 
+BUILDING = "building the problem: "  # an outcome's start where the problem was not built
+NO_ROOM = f"{BUILDING}{NoRoom.__name__}"  # ... for want of GPU memory: left to the trials
+
+
 def _free_share() -> float | None:
     """The share of this process's GPU's memory that is free (None: no GPU in use here)."""
     torch = sys.modules.get("torch")
@@ -285,7 +289,7 @@ def _run(
     try:
         check = _check_for(task, checker)
     except Exception as exc:  # (out of memory, say): the trials will build it and say so
-        why = f"building the problem: {type(exc).__name__}: {exc}"[:200]
+        why = f"{BUILDING}{type(exc).__name__}: {exc}"[:200]
         return task.ring, {json.dumps(m, sort_keys=True): why for m in task.metas}, 0.0
     for i, meta in enumerate(task.metas):
         if stop is not None and time.time() >= stop:
@@ -294,7 +298,7 @@ def _run(
         # (the first candidate's room was seen right after building)
         if i and (share := _free_share()) is not None and share < POOL_RESERVE:
             _drop_checks()  # a worker needs the memory: the rest compile in their trials
-            why = (f"building the problem: {NoRoom.__name__}: {share:.0%} of the GPU's memory "
+            why = (f"{NO_ROOM}: {share:.0%} of the GPU's memory "
                    f"free, under the pool's {POOL_RESERVE:.0%}: dropped")  # fmt: skip
             out |= {json.dumps(m, sort_keys=True): why for m in task.metas[i:]}
             break
@@ -370,9 +374,7 @@ def precompile(
                     + (f", {gone} skipped (their variant's studies were done)" if gone else "")
                     + f", {time.monotonic() - t0:.1f} s so far"
                 )
-    no_room = sum(
-        v.startswith(f"building the problem: {NoRoom.__name__}") for v in outcome.values()
-    )
+    no_room = sum(v.startswith(NO_ROOM) for v in outcome.values())
     bad = sum(v != "ok" for v in outcome.values()) - no_room
     if progress:
         skipped = total - len(outcome) - passed
@@ -405,13 +407,11 @@ def failure_kinds(outcome: dict[tuple[str, str, str], str], kinds: int = 4) -> s
     the trials for GPU memory (``NoRoom``) are not failures. A candidate the pool failed to
     compile for another reason than its own (out of memory, say) compiles in its trial."""
     counts: dict[str, collections.Counter] = {}
-    room = f"building the problem: {NoRoom.__name__}"
     for (variant, _, _), why in outcome.items():
-        if why == "ok" or why.startswith(room):
+        if why == "ok" or why.startswith(NO_ROOM):
             continue
-        head, _, rest = why.partition("building the problem: ")
-        kind = "building the problem: " if not head and rest else ""
-        kind += (rest or why).split(":", 1)[0]
+        prefix = BUILDING if why.startswith(BUILDING) else ""
+        kind = prefix + why[len(prefix) :].split(":", 1)[0]
         counts.setdefault(kind, collections.Counter())[variant] += 1
     order = sorted(counts.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))[:kinds]
     return "; ".join(
