@@ -13,8 +13,9 @@ box of 132 or 144 bytes a row).
 
 Checks every (page, head) box against torch (the last head's box runs 12 bytes past the token:
 TMA fills them with zeros), then times a kernel that reads every box of a cache once through
-TMA (a checksum a program, nothing else written) against the copy bandwidth measured in the
-same run: the rows' own bytes (132 a row) over the kernel's time.
+TMA (a checksum a program, nothing else written) in a CUDA graph, against the copy bandwidth
+measured in the same run (``kvgen.bench.harness``, as the bench measures): the rows' own bytes
+(132 a row) over the kernel's time.
 
     python benchmarks/tma_inline_rows.py [--tokens 1048576] [--stages 4]
 """
@@ -28,6 +29,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kvgen.bench import harness
 
 HEADS, ROW, PAGE, BOX = 8, 132, 16, 144  # KV heads, bytes a row, rows a page, bytes checked
 TOKEN = HEADS * ROW  # 1056 bytes: 33 sectors
@@ -137,28 +140,6 @@ def check(device) -> None:
           f"({pages} pages; the last head's 12 bytes past the token read as 0)")  # fmt: skip
 
 
-def copy_gbps(n_bytes: int, device) -> float:
-    """A device-to-device copy of ``n_bytes``: bytes read and written over its time."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * n_bytes / timed(lambda: dst.copy_(src)) / 1e9
-
-
-def timed(fn, reps: int = 20) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs (after a warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1 << 20, help="tokens of the cache (K alone)")
@@ -174,13 +155,15 @@ def main() -> None:
     per_head = args.programs or max(1, 2 * props.multi_processor_count // HEADS)
     sums = torch.empty(per_head * HEADS, dtype=torch.int32, device=device)
     grid = (per_head, HEADS)
-    t = timed(lambda: read_kernel[grid](*descs, sums, pages, PAGE, ROW, args.stages, num_warps=4))
+    us = harness.graph_time_us(
+        lambda i: read_kernel[grid](*descs, sums, pages, PAGE, ROW, args.stages, num_warps=4), 1
+    )
     useful = pages * PAGE * TOKEN  # every row's own 132 bytes, each once
-    copy = copy_gbps(useful, device)
-    gbps = useful / t / 1e9
+    copy = harness.copy_bandwidth(device)
+    gbps = useful / us / 1e3
     print(f"{props.name}; copy {copy:.0f} GB/s")
     print(f"TMA boxes [16, 128] + [16, 16] of {args.tokens} tokens x 8 heads x 132 bytes, "
-          f"{args.stages} stages, {per_head} programs a head: {t * 1e6:.1f} us, "
+          f"{args.stages} stages, {per_head} programs a head: {us:.1f} us, "
           f"{gbps:.0f} GB/s of the rows' bytes, {gbps / copy:.3f} of copy")  # fmt: skip
 
 

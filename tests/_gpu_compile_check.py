@@ -650,8 +650,9 @@ for label, constexprs, aligned, want in (
               f"{want.strip()}, {narrow} narrower")  # fmt: skip
 
 # benchmarks/tma_inline_rows.py: TMA boxes of vLLM's 132-byte inline rows at their own columns
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import tma_inline_rows as tma_rows  # noqa: E402
+from _scripts import benchmark_script  # noqa: E402
+
+tma_rows = benchmark_script("tma_inline_rows")
 
 box_types = {"desc": f"tensordesc<u8[16, 128],{tma_rows.LAYOUT!r}>"}
 box_types["tail_desc"] = f"tensordesc<u8[16, {tma_rows.TAIL}],{tma_rows.LAYOUT!r}>"
