@@ -657,7 +657,7 @@ tma_rows = benchmark_script("tma_inline_rows")
 box_types = {"desc": f"tensordesc<u8[16, 128],{tma_rows.LAYOUT!r}>"}
 box_types["tail_desc"] = f"tensordesc<u8[16, {tma_rows.TAIL}],{tma_rows.LAYOUT!r}>"
 compile_fn("tma_inline_rows boxes", tma_rows.boxes_kernel, {**box_types, "out_ptr": "*u8"},
-           {"PAGE": 16, "BOX": tma_rows.BOX, "ROW": tma_rows.ROW})  # fmt: skip
+           {"PAGE": 16, "BOX": tma_rows.BOX, "ROW": tma_rows.ROW, "ALIGN": 16})  # fmt: skip
 compile_fn("tma_inline_rows read", tma_rows.read_kernel, {**box_types, "sums_ptr": "*i32"},
            {"PAGE": 16, "ROW": tma_rows.ROW, "STAGES": 4})  # fmt: skip
 
