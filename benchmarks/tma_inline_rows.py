@@ -180,7 +180,7 @@ def main() -> None:
         lambda i: read_kernel[grid](*descs, sums, pages, PAGE, ROW, args.stages, num_warps=4), 1
     )
     useful = pages * PAGE * TOKEN  # every row's own 132 bytes, each once
-    copy = harness.copy_bandwidth(device)
+    copy = harness.copy_bandwidth(device) / 1e9  # GB/s
     gbps = useful / us / 1e3
     print(f"{props.name}; copy {copy:.0f} GB/s")
     print(f"TMA boxes [16, 128] + [16, 16] of {args.tokens} tokens x 8 heads x 132 bytes, "
