@@ -159,7 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1 << 20, help="tokens of the cache (K alone)")
     ap.add_argument("--stages", type=int, default=4, help="boxes in flight a program")
-    ap.add_argument("--programs", type=int, default=0, help="programs a head (0: 2 an SM / 8)")
+    ap.add_argument("--programs", type=int, default=0, help="programs a head (0: 4 an SM / 8)")
     ap.add_argument("--unaligned", action="store_true",
                     help="only the check, with boxes at the rows' own columns (132 h): on sm90 "
                     "a CUDA error where 132 h is not a multiple of 16")  # fmt: skip
@@ -173,7 +173,7 @@ def main() -> None:
     pages = args.tokens // PAGE
     cache = torch.randint(0, 256, (pages * PAGE, TOKEN), dtype=torch.uint8, device=device)
     descs = descriptors(cache)
-    per_head = args.programs or max(1, 2 * props.multi_processor_count // HEADS)
+    per_head = args.programs or max(1, 4 * props.multi_processor_count // HEADS)
     sums = torch.empty(per_head * HEADS, dtype=torch.int32, device=device)
     grid = (per_head, HEADS)
     us = harness.graph_time_us(
