@@ -30,3 +30,21 @@ def test_an_unknown_format_is_refused_with_the_known_ones():
 def test_rows_max_regs_refuses_an_unknown_kernel_name_before_looking_for_a_gpu():
     with pytest.raises(SystemExit, match="unknown 'gqa-int3'; known: mla-mxfp4, gqa-int4"):
         MAX_REGS.main(["--kernels", "gqa-int8,gqa-int3"])
+
+
+INLINE_SWEEP = benchmark_script("gqa_rows_inline_sweep")
+
+
+def test_inline_sweep_refuses_an_unknown_format_before_looking_for_a_gpu():
+    with pytest.raises(SystemExit, match="unknown 'int3'; known: int8, fp8e4m3, fp8e5m2, int4"):
+        INLINE_SWEEP.main(["--formats", "int8,int3"])
+
+
+def test_inline_sweep_grid_lies_in_the_rows_variants_search_space():
+    """Every point the sweep times is a config the tuner could choose for the rows variant."""
+    from kvgen.space import load_space
+
+    space = load_space("gqa_decode_rows.py.j2").params
+    assert set(INLINE_SWEEP.GRID) == set(space)
+    for name, values in INLINE_SWEEP.GRID.items():
+        assert set(values) <= set(space[name]), name

@@ -1,0 +1,124 @@
+"""Whether vLLM's inline rows want other configs of the GQA rows decode than the tuned ones.
+
+The rows variant's tuned configs (``tuned_configs/<arch>/.../gqa_decode.json``) are measured on
+separate scale caches (16-byte rows) and used for vLLM's inline rows as well (132-byte int8 /
+fp8 rows, 72-byte int4 rows: 4- and 8-byte copies), whose copies are slower. This times the
+rows launcher over the grid below at the bench's two shapes (``kvgen.bench.gqa_decode``:
+128 x 4096 and 8 x 32768 keys, 8 KV heads x 128, block 16), on inline rows and, for each
+format, on separate caches at the op's tuned config; the figure is the mean over the two
+shapes, as the tuner's. Each point's result on the bench's small checked batch is compared
+with the float64 reference before it is timed. Prints every point and, per format, the best
+against the tuned config on the same rows; a best more than a few percent ahead says inline
+rows want a tuning bucket of their own.
+
+    python -P benchmarks/gqa_rows_inline_sweep.py [--formats int8,fp8e4m3,int4] [--heads 32]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+
+from kvgen import runtime
+from kvgen.bench import gqa_decode as bench
+from kvgen.bench import harness
+from kvgen.codegen import load
+from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.verify import compare_attention
+
+GRID = {"num_stages": [2, 3, 4], "piece_tiles": [0, 32, 60], "split_factor": [1, 2, 4]}
+GROUPS = {"int8": 0, "fp8e4m3": 0, "fp8e5m2": 0, "int4": 32}
+
+
+def timed(launch, problems, meta, sms) -> float:
+    """The mean over ``problems`` of the launch's CUDA-graph time at ``meta``, in us."""
+    times = []
+    for q, k, v, ks, vs, table, sl in problems:
+
+        def step(i, q=q, k=k, v=v, ks=ks, vs=vs, table=table, sl=sl):
+            launch(q, k, v, ks, vs, table, sl, bench.HEAD**-0.5, False, num_sms=sms, **meta)
+
+        times.append(harness.graph_time_us(step, 1, calls=8, replays=5))
+    return statistics.mean(times)
+
+
+def sweep(kv: str, h_q: int, device, sms: int, show) -> dict:
+    spec = GQADecodeSpec(bench.HEAD, bench.HEAD, "bf16", kv, GROUPS[kv], "rows", "sm90", "gpu")
+    launch = load(spec).launch
+    rows = h_q // bench.H_KV
+    tuned = runtime.meta_params(spec, rows=rows)
+    result = {"format": kv, "heads": h_q, "tuned": tuned, "points": []}
+    for layout in ("nhd", "inline"):
+        (small, ref) = bench.checked_problem(kv, GROUPS[kv], h_q, device, layout=layout)
+        problems = [
+            bench.problem(kv, GROUPS[kv], [n] * b, h_q, device, layout=layout)
+            for _, b, n in bench.SHAPES
+        ]
+        metas = [tuned]
+        if layout == "inline":
+            grid = itertools.product(*GRID.values())
+            metas += [dict(zip(GRID, values, strict=True)) for values in grid]
+        for meta in metas:
+            q, k, v, ks, vs, table, sl = small
+            out, lse = launch(q, k, v, ks, vs, table, sl, bench.HEAD**-0.5, False, num_sms=sms,
+                              **meta)  # fmt: skip
+            ok = bool(compare_attention(out, lse, *ref)[0])
+            us = timed(launch, problems, meta, sms) if ok else float("nan")
+            point = {"layout": layout, "meta": meta, "us": us, "correct": ok,
+                     "tuned": meta is tuned}  # fmt: skip
+            result["points"].append(point)
+            show(kv, h_q, point)
+        del problems
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="int8,fp8e4m3,int4", help="comma-separated: " +
+                    ", ".join(GROUPS))  # fmt: skip
+    ap.add_argument("--heads", type=int, default=32, help="query heads (over 8 KV heads)")
+    ap.add_argument("--json", help="write every point here")
+    args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+    for kv in formats:
+        if kv not in GROUPS:
+            raise SystemExit(f"--formats: unknown {kv!r}; known: {', '.join(GROUPS)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    print(f"{torch.cuda.get_device_name(device)}; mean of {', '.join(s for s, *_ in bench.SHAPES)}"
+          f", {args.heads} query heads", flush=True)  # fmt: skip
+
+    def show(kv, h_q, p) -> None:
+        tag = " (tuned)" if p["tuned"] else ""
+        ok = "" if p["correct"] else "  WRONG"
+        print(f"{kv:<8} {p['layout']:<6} {json.dumps(p['meta'], sort_keys=True):<60} "
+              f"{p['us']:8.1f} us{tag}{ok}", flush=True)  # fmt: skip
+
+    results = [sweep(kv, args.heads, device, sms, show) for kv in formats]
+    for r in results:
+        inline = [p for p in r["points"] if p["layout"] == "inline" and p["correct"]]
+        base = next(p for p in inline if p["tuned"])
+        best = min(inline, key=lambda p: p["us"])
+        sep = next(p for p in r["points"] if p["layout"] == "nhd")
+        print(f"{r['format']}: inline rows at the tuned config {base['us']:.1f} us, best "
+              f"{best['us']:.1f} us at {json.dumps(best['meta'], sort_keys=True)} "
+              f"({base['us'] / best['us']:.3f}x); separate caches at the tuned config "
+              f"{sep['us']:.1f} us")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f,
+                      indent=1)  # fmt: skip
+    return 0 if all(p["correct"] for r in results for p in r["points"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
