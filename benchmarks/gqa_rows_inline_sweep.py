@@ -106,7 +106,10 @@ def main(argv=None) -> int:
     results = [sweep(kv, args.heads, device, sms, show) for kv in formats]
     for r in results:
         inline = [p for p in r["points"] if p["layout"] == "inline" and p["correct"]]
-        base = next(p for p in inline if p["tuned"])
+        base = next((p for p in inline if p["tuned"]), None)
+        if base is None:  # (a wrong result: its point says WRONG above)
+            print(f"{r['format']}: the tuned config's result on inline rows is wrong")
+            continue
         best = min(inline, key=lambda p: p["us"])
         sep = next(p for p in r["points"] if p["layout"] == "nhd")
         print(f"{r['format']}: inline rows at the tuned config {base['us']:.1f} us, best "
