@@ -79,6 +79,27 @@ def sweep(kv: str, h_q: int, device, sms: int, show) -> dict:
     return result
 
 
+def summary(results: list[dict]) -> list[str]:
+    """A line a format: the tuned config's time on inline rows, the grid's best (and how much
+    faster), and the tuned config's time on separate caches."""
+    lines = []
+    for r in results:
+        inline = [p for p in r["points"] if p["layout"] == "inline" and p["correct"]]
+        base = next((p for p in inline if p["tuned"]), None)
+        if base is None:  # (a wrong result: its point says WRONG above)
+            lines.append(f"{r['format']}: the tuned config's result on inline rows is wrong")
+            continue
+        best = min(inline, key=lambda p: p["us"])
+        sep = next(p for p in r["points"] if p["layout"] == "nhd")
+        lines.append(
+            f"{r['format']}: inline rows at the tuned config {base['us']:.1f} us, best "
+            f"{best['us']:.1f} us at {json.dumps(best['meta'], sort_keys=True)} "
+            f"({base['us'] / best['us']:.3f}x); separate caches at the tuned config "
+            f"{sep['us']:.1f} us"
+        )
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="int8,fp8e4m3,int4", help="comma-separated: " +
@@ -104,18 +125,8 @@ def main(argv=None) -> int:
               f"{p['us']:8.1f} us{tag}{ok}", flush=True)  # fmt: skip
 
     results = [sweep(kv, args.heads, device, sms, show) for kv in formats]
-    for r in results:
-        inline = [p for p in r["points"] if p["layout"] == "inline" and p["correct"]]
-        base = next((p for p in inline if p["tuned"]), None)
-        if base is None:  # (a wrong result: its point says WRONG above)
-            print(f"{r['format']}: the tuned config's result on inline rows is wrong")
-            continue
-        best = min(inline, key=lambda p: p["us"])
-        sep = next(p for p in r["points"] if p["layout"] == "nhd")
-        print(f"{r['format']}: inline rows at the tuned config {base['us']:.1f} us, best "
-              f"{best['us']:.1f} us at {json.dumps(best['meta'], sort_keys=True)} "
-              f"({base['us'] / best['us']:.3f}x); separate caches at the tuned config "
-              f"{sep['us']:.1f} us")  # fmt: skip
+    for line in summary(results):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "results": results}, f,

@@ -48,3 +48,22 @@ def test_inline_sweep_grid_lies_in_the_rows_variants_search_space():
     assert set(INLINE_SWEEP.GRID) == set(space)
     for name, values in INLINE_SWEEP.GRID.items():
         assert set(values) <= set(space[name]), name
+
+
+def test_inline_sweep_summary_names_the_best_config_against_the_tuned_one():
+    def point(layout, us, tuned=False, correct=True, stages=2):
+        return {"layout": layout, "meta": {"num_stages": stages}, "us": us, "correct": correct,
+                "tuned": tuned}  # fmt: skip
+
+    good = {"format": "int8", "points": [
+        point("nhd", 400.0, tuned=True), point("inline", 560.0, tuned=True),
+        point("inline", 500.0, stages=4), point("inline", 450.0, correct=False, stages=3),
+    ]}  # fmt: skip
+    wrong = {"format": "fp8e4m3", "points": [
+        point("nhd", 400.0, tuned=True), point("inline", 590.0, tuned=True, correct=False),
+    ]}  # fmt: skip
+    first, second = INLINE_SWEEP.summary([good, wrong])
+    # the wrong point (faster) is never the best; 560 / 500 = 1.12
+    assert 'best 500.0 us at {"num_stages": 4} (1.120x)' in first
+    assert "tuned config 560.0 us" in first and "separate caches at the tuned config 400.0" in first
+    assert second == "fp8e4m3: the tuned config's result on inline rows is wrong"
