@@ -1,15 +1,16 @@
 """Whether vLLM's inline rows want other configs of the GQA rows decode than the tuned ones.
 
-The rows variant's tuned configs (``tuned_configs/<arch>/.../gqa_decode.json``) are measured on
-separate scale caches (16-byte rows) and used for vLLM's inline rows as well (132-byte int8 /
-fp8 rows, 72-byte int4 rows: 4- and 8-byte copies), whose copies are slower. This times the
-rows launcher over the grid below at the bench's two shapes (``kvgen.bench.gqa_decode``:
-128 x 4096 and 8 x 32768 keys, 8 KV heads x 128, block 16), on inline rows and, for each
-format, on separate caches at the op's tuned config; the figure is the mean over the two
-shapes, as the tuner's. Each point's result on the bench's small checked batch is compared
-with the float64 reference before it is timed. Prints every point and, per format, the best
-against the tuned config on the same rows; a best more than a few percent ahead says inline
-rows want a tuning bucket of their own.
+The rows variant's tuned configs (``tuned_configs/<arch>/.../gqa_decode.json``) are keyed by
+``rows`` and ``row_align``: 16 for separate scale caches (16-byte rows), 4 / 8 for vLLM's
+inline rows (132-byte int8 / fp8 rows, 72-byte int4 rows: 4- and 8-byte copies, slower); where
+a file has no entry at the inline rows' row_align, the op takes the row_align 16 one (the
+nearest bucket). This times the rows launcher over the grid below at the bench's two shapes
+(``kvgen.bench.gqa_decode``: 128 x 4096 and 8 x 32768 keys, 8 KV heads x 128, block 16), on
+inline rows and, for each format, on separate caches, each at the op's config for those caches;
+the figure is the mean over the two shapes, as the tuner's. Each point's result on the bench's
+small checked batch is compared with the float64 reference before it is timed. Prints every
+point and, per format, the best against the op's config on the same rows; a best more than a
+few percent ahead says the inline rows' bucket wants (re-)tuning.
 
     python -P benchmarks/gqa_rows_inline_sweep.py [--formats int8,fp8e4m3,int4] [--heads 32]
         [--json out.json]
@@ -30,6 +31,7 @@ from kvgen.bench import gqa_decode as bench
 from kvgen.bench import harness
 from kvgen.codegen import load
 from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.ops._gqa_decode import bucket as gqa_bucket
 from kvgen.verify import compare_attention
 
 GRID = {"num_stages": [2, 3, 4], "piece_tiles": [0, 32, 60], "split_factor": [1, 2, 4]}
@@ -52,10 +54,12 @@ def sweep(kv: str, h_q: int, device, sms: int, show) -> dict:
     spec = GQADecodeSpec(bench.HEAD, bench.HEAD, "bf16", kv, GROUPS[kv], "rows", "sm90", "gpu")
     launch = load(spec).launch
     rows = h_q // bench.H_KV
-    tuned = runtime.meta_params(spec, rows=rows)
-    result = {"format": kv, "heads": h_q, "tuned": tuned, "points": []}
+    result = {"format": kv, "heads": h_q, "tuned": {}, "points": []}
     for layout in ("nhd", "inline"):
         (small, ref) = bench.checked_problem(kv, GROUPS[kv], h_q, device, layout=layout)
+        # the op's config for these caches (row_align 16, or the inline rows' own bucket)
+        tuned = runtime.meta_params(spec, **gqa_bucket(spec, rows, small[1], small[2]))
+        result["tuned"][layout] = tuned
         problems = [
             bench.problem(kv, GROUPS[kv], [n] * b, h_q, device, layout=layout)
             for _, b, n in bench.SHAPES

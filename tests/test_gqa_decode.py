@@ -380,7 +380,8 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
     portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
     meta = {"num_stages": 3, "split_factor": 4, "piece_tiles": 32}
-    entries = {rows.name: {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}}
+    key = "rows=4,row_align=16"  # (the rows variant's buckets; the portable one's: rows alone)
+    entries = {rows.name: {key: {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}}
     p_meta = portable.default_meta(rows=4)
     entries[portable.name] = {
         "rows=4": {"meta": p_meta, "time_us": 340.0, "default_time_us": 340.0}
@@ -390,7 +391,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick() == "rows"
-    assert configs.meta_params(rows, rows=4) == meta
+    assert configs.meta_params(rows, rows=4, row_align=16) == meta
     assert pick(h_q=64) == "rows"  # rows 8: the nearest bucket's times
     assert pick(layout="hnd") == "rows"  # any strides of multiples of 16 bytes
     assert pick(page=64) == "rows"
@@ -403,9 +404,9 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     assert pick(kv="int4") == "portable"  # its rows variant is not tuned
     for group in (32, 128):
         spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
-        entries[spec.name] = {"rows=4": {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}
+        entries[spec.name] = {key: {"meta": meta, "time_us": 300.0, "default_time_us": 310.0}}
     e5m2 = GQADecodeSpec(128, 128, "bf16", "fp8e5m2", 0, "rows", "sm90", "gpu")
-    entries[e5m2.name] = {"rows=4": {"meta": meta, "time_us": 100.0, "default_time_us": 310.0}}
+    entries[e5m2.name] = {key: {"meta": meta, "time_us": 100.0, "default_time_us": 310.0}}
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick(kv="int4") == "rows"  # tuned: the untuned portable counts as slower
@@ -422,6 +423,95 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
     path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
     configs.reset()
     assert pick() == "portable"
+
+
+def test_inline_rows_take_their_row_align_bucket_else_the_16_byte_one(tmp_path, monkeypatch):
+    """vLLM's inline-scale rows (132 bytes: row_align 4) run the rows variant at the config
+    tuned at their own row_align bucket where the file has one, else at the 16-byte rows'
+    (the nearest bucket); the op's choice of variant uses the same bucket's time."""
+    import json
+
+    import kvgen.ops._gqa_decode as op_module
+    from kvgen import configs
+    from kvgen.families.per_token_head import row_align
+
+    monkeypatch.setenv(configs.OVERRIDE_ENV, str(tmp_path))
+    monkeypatch.setattr(configs, "tuned_configs_dir", lambda: tmp_path / "none")
+    rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
+    portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
+    k, v, ks, vs = alloc_caches("int8", 0, (4, 16, 8), 128, 128, torch.bfloat16, "cpu", "inline")
+    sep = alloc_caches("int8", 0, (4, 16, 8), 128, 128, torch.bfloat16, "cpu", "nhd")
+    assert row_align(k, v) == 4 and row_align(*sep[:2]) == 16
+    assert op_module.bucket(rows, 4, k, v) == {"rows": 4, "row_align": 4}
+    assert op_module.bucket(portable, 4, k, v) == {"rows": 4}
+    aligned = {"num_stages": 2, "split_factor": 2, "piece_tiles": 60}
+    inline = {"num_stages": 2, "split_factor": 1, "piece_tiles": 32}
+
+    def entry(meta, us):
+        return {"meta": meta, "time_us": us, "default_time_us": 400.0}
+
+    entries = {
+        rows.name: {"rows=4,row_align=16": entry(aligned, 300.0)},
+        portable.name: {"rows=4": entry(portable.default_meta(rows=4), 350.0)},
+    }
+    (tmp_path / "sm90").mkdir()
+    path = tmp_path / "sm90" / "gqa_decode.json"
+
+    def write():
+        path.write_text(json.dumps(tuned_doc("gqa_decode", entries)))
+        configs.reset()
+
+    def chosen(caches):
+        q = torch.empty(2, 1, 32, 128, dtype=torch.bfloat16)
+        bt = torch.zeros(2, 4, dtype=torch.int32)
+        spec = op_module.choose(q, caches[0], caches[1], bt, "int8", 128, 0, "sm90", "gpu", 4,
+                                caches[2], caches[3])  # fmt: skip
+        return spec.variant, configs.meta_params(spec, **op_module.bucket(spec, 4, *caches[:2]))
+
+    write()
+    assert chosen((k, v, ks, vs)) == ("rows", aligned)  # no inline entry: the 16-byte one's
+    entries[rows.name]["rows=4,row_align=4"] = entry(inline, 320.0)
+    write()
+    assert chosen((k, v, ks, vs)) == ("rows", inline)
+    assert chosen(sep) == ("rows", aligned)
+    # the choice between variants compares the inline bucket's time
+    entries[rows.name]["rows=4,row_align=4"] = entry(inline, 360.0)
+    write()
+    assert chosen((k, v, ks, vs))[0] == "portable" and chosen(sep)[0] == "rows"
+
+
+def test_rows_row_align_buckets_are_the_formats_inline_rows():
+    """The rows variant is tuned at row_align 16 and at the alignment of vLLM's inline rows of
+    its format (int8 / fp8: 4; int4 at 32 channels a scale: 8, not by default), which is what
+    those caches have (``row_align``); the portable variant has no row_align bucket."""
+    from kvgen import registry
+    from kvgen.families.gqa_decode import inline_row_align
+    from kvgen.families.per_token_head import row_align
+    from kvgen.tune import plan
+
+    for kv, group in (("int8", 0), ("fp8e4m3", 0), ("fp8e5m2", 0), ("int4", 16), ("int4", 32),
+                      ("int4", 64), ("int4", 128)):  # fmt: skip
+        k, v, _, _ = alloc_caches(kv, group, (2, 16, 2), 128, 128, torch.bfloat16, "cpu",
+                                  "inline")  # fmt: skip
+        assert inline_row_align(kv, group) == row_align(k, v), (kv, group)
+    assert inline_row_align("auto", 0) == 16
+    studies = plan.plan(None, "sm90")
+    rows_studies = [s for s in studies if s.spec.family == "gqa_decode" if s.spec.variant == "rows"]
+    got = {(s.spec.kv, s.spec.dtype, s.bucket["rows"], s.bucket["row_align"]) for s in rows_studies}
+    for dt in ("bf16", "fp16"):
+        for r in (4, 8, 16):
+            for kv in ("int8", "fp8e4m3", "fp8e5m2"):
+                assert {(kv, dt, r, 16), (kv, dt, r, 4)} <= got
+                assert (kv, dt, r, 8) not in got
+            assert ("int4", dt, r, 16) in got
+            assert ("int4", dt, r, 8) not in got and ("int4", dt, r, 4) not in got
+    named = plan.plan(["gqa_decode-d128-dv128-bf16-kvint4-g32-rows-sm90-gpu"], "sm90")
+    assert sorted({s.bucket["row_align"] for s in named}) == [8, 16]
+    fam = registry.family("gqa_decode")
+    g128 = GQADecodeSpec(128, 128, "bf16", "int4", 128, "rows", "sm90", "gpu")
+    assert not fam.bucket_applies(g128, {"rows": 4, "row_align": 4})  # 66-byte rows: refused
+    assert all("row_align" not in s.bucket for s in studies
+               if s.spec.family == "gqa_decode" and s.spec.variant == "portable")  # fmt: skip
 
 
 def test_int4_rows_accepts_refuses_what_its_kernel_cannot_read():

@@ -336,15 +336,16 @@ def test_the_gqa_rows_variant_compiles_at_every_bucket_the_portable_one_at_one_a
     monkeypatch,
 ):
     """The compile pool's plan (``kvgen tune``'s ``_precompile``): the rows variant's G and N
-    are constexprs from the bucket's rows ([compile] per_bucket), so each of its buckets is a
-    class of its own; the portable variant's rows 4 and 8 (and 16 and 32) compile alike."""
+    are constexprs from the bucket's rows and its ROW_ALIGN from its row_align ([compile]
+    per_bucket), so each of its buckets is a class of its own; the portable variant's rows 4
+    and 8 (and 16 and 32) compile alike."""
     from kvgen.families.gqa_decode import GQADecodeSpec
     from kvgen.space import load_space
     from kvgen.tune import run as tune_run
 
     rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
     portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu")
-    assert load_space(rows.template).per_bucket == ("rows",)
+    assert load_space(rows.template).per_bucket == ("rows", "row_align")
     assert load_space(portable.template).per_bucket == ()
 
     class Study:
@@ -357,9 +358,11 @@ def test_the_gqa_rows_variant_compiles_at_every_bucket_the_portable_one_at_one_a
     monkeypatch.setattr(tune_run.tuner, "incumbent", lambda spec, bucket: None)
     monkeypatch.setattr(precompile, "precompile", lambda tasks, *a, **k: captured.extend(tasks))
     tune_run._precompile(studies, None, tune_run.Options("sm90"), 2, log=lambda line: None)
-    at = {(t.spec.variant, t.bucket["rows"]) for t in captured}
-    assert {r for v, r in at if v == "rows"} == {4, 8, 16}
-    assert len({r for v, r in at if v == "portable"}) == 2  # one bucket of {4, 8}, {16, 32}
+    at = {(t.spec.variant, t.bucket["rows"], t.bucket.get("row_align")) for t in captured}
+    assert {(r, a) for v, r, a in at if v == "rows"} == {
+        (r, a) for r in (4, 8, 16) for a in (4, 8, 16)
+    }
+    assert len({r for v, r, _ in at if v == "portable"}) == 2  # one bucket of {4, 8}, {16, 32}
 
 
 def test_the_pool_also_compiles_the_sibling_variants_tuned_configs(monkeypatch):

@@ -978,6 +978,36 @@ def test_tune_command_bucket_filters(tmp_path, two_fake_gpus):
     ]
 
 
+def test_tune_command_where_filter(tmp_path, two_fake_gpus):
+    """--where KEY=V[,V] keeps only the buckets with that size at those values (with
+    --buckets: one study per num_tokens, at row_align 4 alone); a malformed one fails before
+    anything runs."""
+    name = "store_kv_per_token_head-int8-d128-dv128-bf16-sm90-gpu"
+    common = ["--storage", str(tmp_path / "t.journal"), "--out", str(tmp_path / "out"),
+              "--jobs", "1", "--gpus", "2", "--trials", "6"]  # fmt: skip
+    args = ["tune", name, "--buckets", "16,65536", "--heads", "8", "--where", "row_align=4"]
+    result = _kvgen(*args, *common)
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "out" / "sm90" / "store_kv_per_token_head.json").read_text())
+    assert sorted(doc["entries"][name]) == [
+        "num_tokens=16,num_heads=8,row_align=4",
+        "num_tokens=65536,num_heads=8,row_align=4",
+    ]
+    for bad in ("row_align", "row_align=four", "=4"):
+        result = _kvgen("tune", name, "--where", bad, *common)
+        assert result.exit_code != 0 and "--where takes KEY=V" in result.output, result.output
+
+
+def test_plan_where_leaves_out_buckets_without_the_size():
+    """``plan(where=...)``: a bucket without the named size is left out (the GQA portable
+    variant has no row_align), one with it kept only at the values named."""
+    from kvgen.tune.plan import plan
+
+    studies = plan(None, "sm90", families={"gqa_decode"}, where={"row_align": {4}})
+    assert studies and all(s.bucket["row_align"] == 4 for s in studies)
+    assert {s.spec.variant for s in studies} == {"rows"}
+
+
 def test_the_worker_s_guard_keeps_the_evaluator_s_re_timing(monkeypatch):
     """The worker's guard around the evaluator keeps its ``confirm`` (the re-timing with the
     bench's fuller settle, which ``tuner.confirm`` takes over the trial timing), guarded alike:

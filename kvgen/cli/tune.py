@@ -22,6 +22,21 @@ def _ints(text: str | None) -> set[int] | None:
     return {int(v) for v in text.split(",")} if text else None
 
 
+def _where(items: list[str] | None) -> dict[str, set[int]] | None:
+    """``--where KEY=V[,V...]`` options as {KEY: {V, ...}}; a malformed one fails."""
+    out: dict[str, set[int]] = {}
+    for item in items or ():
+        key, sep, values = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            out.setdefault(key.strip(), set()).update(int(v) for v in values.split(","))
+        except ValueError:
+            raise fail(f"--where takes KEY=V[,V...] with integer values (e.g. row_align=4), "
+                       f"got {item!r}") from None  # fmt: skip
+    return out or None
+
+
 @app.command("tune")
 def tune_cmd(
     names: NamesArg = None,
@@ -44,6 +59,14 @@ def tune_cmd(
     ] = None,
     buckets: Annotated[str | None, opt("Only these num_tokens buckets (comma-separated).")] = None,
     heads: Annotated[str | None, opt("Only these num_heads buckets (comma-separated).")] = None,
+    where: Annotated[
+        list[str] | None,
+        opt(
+            "Only the buckets with this size at one of these values, KEY=V[,V...] (e.g. "
+            "row_align=4: vLLM's inline-scale rows); buckets without KEY are left out. "
+            "Repeatable."
+        ),
+    ] = None,
     out: Annotated[
         Path | None, opt("tuned_configs folder to write (default: the package's).")
     ] = None,
@@ -132,6 +155,7 @@ def tune_cmd(
 
     from kvgen.codegen.spec import ARCHS
 
+    where_sizes = _where(where)
     arch = choice(arch, ARCHS, "arch", "--arch")
     sampler = choice(sampler, SAMPLERS, "sampler", "--sampler")
     try:
@@ -156,6 +180,7 @@ def tune_cmd(
             families={f.strip() for f in families.split(",")} if families else None,
             num_tokens=_ints(buckets),
             num_heads=_ints(heads),
+            where=where_sizes,
             gpus=gpus,
             log=err.print,
         )

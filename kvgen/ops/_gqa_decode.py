@@ -17,6 +17,7 @@ from kvgen.families.gqa_decode import (
     sizes_problem,
     spec_for,
 )
+from kvgen.families.per_token_head import row_align
 from kvgen.ops import _checks as check
 from kvgen.ops._library import define
 from kvgen.ops._mla_choice import module, spec_or_none, tuned_winner
@@ -131,6 +132,15 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
+def bucket(spec, rows: int, k, v) -> dict[str, int]:
+    """The sizes ``spec``'s tuned configs are keyed by for this call: ``rows`` (query rows a KV
+    head); for the rows variant also the caches' ``row_align`` (vLLM's inline-scale rows have
+    configs of their own)."""
+    if spec.variant == "rows":
+        return {"rows": rows, "row_align": row_align(k, v)}
+    return {"rows": rows}
+
+
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
     """Of the variants that apply to this call, the one tuning measured fastest at ``rows``; the
     Hopper variant (rows) only where kvgen offers it for the format (``ROWS_OFFERED``), it has
@@ -150,10 +160,10 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
         if variant != "rows" or fmt in ROWS_OFFERED
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
-        if spec is not None and configs.tuned_time(spec, rows=rows) is not None
+        if spec is not None and configs.tuned_time(spec, **bucket(spec, rows, k, v)) is not None
         if module(spec).accepts(q, k, v, bt, ks, vs) is None
     ]
-    return tuned_winner(portable, others, rows)
+    return tuned_winner(portable, others, rows, lambda spec: bucket(spec, rows, k, v))
 
 
 def chosen_spec(q, k_cache, v_cache, *, cache_seqlens, block_table, k_scale_cache=None,
@@ -175,7 +185,7 @@ def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     rows = s_q * h_q // k.shape[2]
     arch, target = runtime.target_of(device)
     spec = choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks, vs)
-    meta_p = runtime.meta_params(spec, rows=rows)
+    meta_p = runtime.meta_params(spec, **bucket(spec, rows, k, v))
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     launch = module(spec).launch
     return launch(q, k, v, ks, vs, bt, sl, scale, causal, num_sms=num_sms(device), **meta_p)

@@ -72,14 +72,18 @@ def accepts(spec, k, rows, q) -> bool:
     return True
 
 
-def tuned_winner(portable, others, rows):
+def tuned_winner(portable, others, rows, sizes=None):
     """The fastest of ``others`` that tuning measured at ``rows`` if no slower than the portable
-    variant (untuned counts as slower); else the portable one."""
+    variant (untuned counts as slower); else the portable one. ``sizes(spec)``: the bucket
+    sizes to look a spec's time up at, where they are more than ``rows``."""
     from kvgen import configs
 
-    best, t_best = portable, configs.tuned_time(portable, rows=rows)
+    def size(spec):
+        return sizes(spec) if sizes is not None else {"rows": rows}
+
+    best, t_best = portable, configs.tuned_time(portable, **size(portable))
     for spec in others:
-        t = configs.tuned_time(spec, rows=rows)
+        t = configs.tuned_time(spec, **size(spec))
         if t is not None and (t_best is None or t <= t_best):
             best, t_best = spec, t
     return best

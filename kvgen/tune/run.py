@@ -93,7 +93,7 @@ def start(
     **filters,
 ) -> list[Path]:
     """``kvgen tune``: plan the studies of ``names`` (default: every family's default
-    variants; ``filters``: ``plan``'s families, num_tokens, num_heads) and run them on
+    variants; ``filters``: ``plan``'s families, num_tokens, num_heads, where) and run them on
     ``gpus`` GPUs (0: every visible one). A ValueError says what is
     wrong with the request (unknown names, more GPUs than visible) before anything runs."""
     from kvgen.bench import harness

@@ -37,6 +37,21 @@ ROWS_MAX_ROWS = 16  # query rows (queries x query heads) a KV head it takes (its
 ROWS_OFFERED = ROWS_FORMATS
 
 
+def inline_row_align(kv: str, group: int, head_size: int = 128) -> int:
+    """The ``row_align`` (largest power of two, at most 16, dividing the row pitch in bytes) of
+    vLLM's rows with the scales in their pad bytes, for a ``kv`` cache of ``head_size``
+    channels: 4 for int8 / fp8 at head 128 (132-byte rows), 8 for int4 at 32 channels a scale
+    (64 bytes of codes and four fp16 scales); 16 for a bf16 / fp16 cache (no scales)."""
+    if kv == "auto":
+        return 16
+    if kv == "int4":
+        codes = cdiv(head_size, 2)
+        row = codes + codes % 2 + 2 * cdiv(head_size, group)
+    else:
+        row = head_size + 4
+    return min(16, row & -row)
+
+
 def _table_words(values: list[int]) -> tuple[str, ...]:
     """8 byte values (one a magnitude) as a byte permute's two table words, magnitude m in
     byte m % 4 of word m // 4, as PTX hex literals."""
@@ -169,7 +184,8 @@ class GQADecodeSpec(VariantSpec):
                 out["hi_tables"], out["lo_tables"] = _int4_level_tables()
         return out
 
-    def default_meta(self, rows: int) -> dict[str, int]:
+    def default_meta(self, rows: int, row_align: int = 16) -> dict[str, int]:
+        # (row_align: a bucket of the rows variant's tuned configs; the defaults do not vary by it)
         if self.variant == "rows":
             # two 64-key tiles in flight; at least 4 programs an SM, in pieces of at most about
             # 60 tiles: the fastest split of each of the bench's two batches in the H200 sweep

@@ -13,6 +13,7 @@ from kvgen.families.gqa_decode import (
     ROWS_OFFERED,
     GQADecodeSpec,
     available,
+    inline_row_align,
 )
 
 # Under the interpreter (CI) each format once at 128 / 128, plus the corners of the axes: odd
@@ -61,7 +62,19 @@ class GQADecode(Family):
             for g in (int4_groups if kv == "int4" else (0,))
         ]
 
+    def bucket_applies(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
+        # The rows variant's row_align buckets: 16-byte aligned rows, and vLLM's inline-scale
+        # rows of the spec's format (int8 / fp8: 4, int4 at 32 channels a scale: 8)
+        align = bucket.get("row_align", 16)
+        return align == 16 or align == inline_row_align(spec.kv, spec.group, spec.head_size)
+
     def tuned_by_default(self, spec: VariantSpec, bucket: dict[str, int]) -> bool:
+        # int4's inline rows (row_align 8) are not tuned by default: over a grid of stages x
+        # piece length x split factor the configs tuned on 16-byte rows were the fastest there
+        # on an H100 (benchmarks/gqa_rows_inline_sweep.py), where int8's inline rows gained 6 %
+        # (fp8 e4m3 2 %); the op then takes the row_align 16 entry, the nearest bucket.
+        if spec.variant == "rows" and spec.kv == "int4" and bucket.get("row_align", 16) < 16:
+            return False
         # The portable variant is not tuned at the rows the rows variant takes (at most
         # ROWS_MAX_ROWS) where kvgen offers a rows variant of the same cache and queries on the
         # arch (``_rows``): there the op takes that one, tuned in the same run (an untuned

@@ -1,6 +1,6 @@
 """What a tuning trial of the GQA decode runs: the bench's two shapes (128 x 4096 and 8 x 32768
 keys, 8 KV heads x 128, block 16) in the spec's cache format and query dtype, ``rows`` query
-heads a KV head."""
+heads a KV head; a ``row_align`` bucket under 16 on vLLM's rows with the scales inline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from kvgen import _dtypes
 from kvgen.codegen import load
+from kvgen.families.per_token_head import row_align
 
 
 def problem(spec, bucket, device):
@@ -23,9 +24,14 @@ def problem(spec, bucket, device):
     dtype = _dtypes.TORCH[spec.dtype]
     rows = bucket["rows"]
     h_q = rows * bench.H_KV
+    align = bucket.get("row_align", 16)
+    layout = "inline" if align < 16 else "nhd"
     problems = []
     (q, k, v, ks, vs, table, sl), ref = bench.checked_problem(spec.kv, spec.group, h_q, device,
-                                                              dtype)  # fmt: skip
+                                                              dtype, layout)  # fmt: skip
+    if row_align(k, v) != align:
+        raise ValueError(f"{spec.name}: {layout} caches of row_align {row_align(k, v)} for the "
+                         f"row_align {align} bucket")  # fmt: skip
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_size**-0.5
@@ -33,7 +39,9 @@ def problem(spec, bucket, device):
     def run(i, m):
         if not problems:
             problems.extend(
-                bench.problem(spec.kv, spec.group, [n] * b, h_q, device, dtype=dtype)
+                bench.problem(
+                    spec.kv, spec.group, [n] * b, h_q, device, dtype=dtype, layout=layout
+                )  # fmt: skip
                 for _, b, n in bench.SHAPES
             )
         q, k, v, ks, vs, table, sl = problems[i]
