@@ -428,7 +428,7 @@ def test_rows_variant_is_chosen_only_where_it_applies_and_was_tuned(tmp_path, mo
 def test_inline_rows_take_their_row_align_bucket_else_the_16_byte_one(tmp_path, monkeypatch):
     """vLLM's inline-scale rows (132 bytes: row_align 4) run the rows variant at the config
     tuned at their own row_align bucket where the file has one, else at the 16-byte rows'
-    (the nearest bucket); the op's choice of variant uses the same bucket's time."""
+    (the nearest bucket); the op chooses between variants by their times on 16-byte rows."""
     import json
 
     import kvgen.ops._gqa_decode as op_module
@@ -474,10 +474,46 @@ def test_inline_rows_take_their_row_align_bucket_else_the_16_byte_one(tmp_path, 
     write()
     assert chosen((k, v, ks, vs)) == ("rows", inline)
     assert chosen(sep) == ("rows", aligned)
-    # the choice between variants compares the inline bucket's time
+    # the choice between variants compares the times on 16-byte rows, where both were tuned:
+    # an inline-row time (slower rows) is not compared with the portable variant's
     entries[rows.name]["rows=4,row_align=4"] = entry(inline, 360.0)
     write()
-    assert chosen((k, v, ks, vs))[0] == "portable" and chosen(sep)[0] == "rows"
+    assert chosen((k, v, ks, vs)) == ("rows", inline) and chosen(sep)[0] == "rows"
+    entries[portable.name]["rows=4"]["time_us"] = 290.0
+    write()
+    assert chosen((k, v, ks, vs))[0] == "portable" and chosen(sep)[0] == "portable"
+
+
+@pytest.mark.parametrize("device_dir", ["", "nvidia-h100-80gb-hbm3"])
+def test_the_package_configs_keep_the_rows_variant_on_inline_rows(monkeypatch, device_dir):
+    """With the package's tuned configs (the arch's file and the H100's), vLLM's inline rows
+    of every format whose rows variant is tuned there run the rows variant, as separate caches
+    do, at each rows bucket: the portable variant reads those rows 3-5x slower (H100), so an
+    inline-row time compared with the portable variant's separate-cache one must not pick it."""
+    import kvgen.ops._gqa_decode as op_module
+    from kvgen import configs
+
+    monkeypatch.delenv(configs.OVERRIDE_ENV, raising=False)
+    monkeypatch.setenv(configs.DEVICE_ENV, device_dir)
+    configs.reset()
+    picked = 0
+    for kv in ROWS_OFFERED:
+        group = 32 if kv == "int4" else 0
+        spec = GQADecodeSpec(128, 128, "bf16", kv, group, "rows", "sm90", "gpu")
+        for h_q in (32, 64, 128):
+            if configs.tuned_time(spec, rows=h_q // 8, row_align=16) is None:
+                continue
+            for layout in ("nhd", "inline"):
+                k, v, ks, vs = alloc_caches(kv, group, (4, 16, 8), 128, 128, torch.bfloat16,
+                                            "cpu", layout)  # fmt: skip
+                q = torch.empty(2, 1, h_q, 128, dtype=torch.bfloat16)
+                bt = torch.zeros(2, 4, dtype=torch.int32)
+                got = op_module.choose(q, k, v, bt, kv, 128, group, "sm90", "gpu", h_q // 8,
+                                       ks, vs)  # fmt: skip
+                assert got.variant == "rows", (kv, h_q, layout, device_dir)
+                picked += 1
+    configs.reset()
+    assert picked >= 18  # int8, fp8 e4m3, int4 at least: 3 x 3 rows x 2 layouts
 
 
 def test_rows_row_align_buckets_are_the_formats_inline_rows():

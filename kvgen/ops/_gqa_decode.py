@@ -133,12 +133,19 @@ def num_sms(device: torch.device) -> int:
 
 
 def bucket(spec, rows: int, k, v) -> dict[str, int]:
-    """The sizes ``spec``'s tuned configs are keyed by for this call: ``rows`` (query rows a KV
-    head); for the rows variant also the caches' ``row_align`` (vLLM's inline-scale rows have
+    """The sizes ``spec``'s tuned config for this call is looked up at: ``rows`` (query rows a
+    KV head); for the rows variant also the caches' ``row_align`` (vLLM's inline-scale rows have
     configs of their own)."""
     if spec.variant == "rows":
         return {"rows": rows, "row_align": row_align(k, v)}
     return {"rows": rows}
+
+
+def _compared(spec, rows: int) -> dict[str, int]:
+    """The sizes the variants' tuned times are compared at: ``rows`` on 16-byte aligned rows,
+    where every variant is tuned (the portable variant has no row_align bucket: its times are
+    of separate scale caches, and a rows variant's inline-row time is not comparable to them)."""
+    return {"rows": rows, "row_align": 16} if spec.variant == "rows" else {"rows": rows}
 
 
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
@@ -160,10 +167,10 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
         if variant != "rows" or fmt in ROWS_OFFERED
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
-        if spec is not None and configs.tuned_time(spec, **bucket(spec, rows, k, v)) is not None
+        if spec is not None and configs.tuned_time(spec, **_compared(spec, rows)) is not None
         if module(spec).accepts(q, k, v, bt, ks, vs) is None
     ]
-    return tuned_winner(portable, others, rows, lambda spec: bucket(spec, rows, k, v))
+    return tuned_winner(portable, others, rows, lambda spec: _compared(spec, rows))
 
 
 def chosen_spec(q, k_cache, v_cache, *, cache_seqlens, block_table, k_scale_cache=None,
