@@ -67,3 +67,61 @@ def test_inline_sweep_summary_names_the_best_config_against_the_tuned_one():
     assert 'best 500.0 us at {"num_stages": 4} (1.120x)' in first
     assert "tuned config 560.0 us" in first and "separate caches at the tuned config 400.0" in first
     assert second == "fp8e4m3: the tuned config's result on inline rows is wrong"
+
+
+SLOT_ORDER = benchmark_script("store_slot_order")
+
+
+def test_slot_mapping_orders_distinct_slots():
+    import torch
+
+    from kvgen.bench import store
+
+    seq = store.slot_mapping(100, 128, "cpu", "sequential")
+    assert seq.tolist() == list(range(100))
+    rnd = store.slot_mapping(100, 128, "cpu", "random")
+    assert len(set(rnd.tolist())) == 100 and 0 <= int(rnd.min()) and int(rnd.max()) < 128
+    assert rnd.dtype == seq.dtype == torch.int64
+    with pytest.raises(ValueError, match="slot order must be one of"):
+        store.slot_mapping(4, 8, "cpu", "backwards")
+    with pytest.raises(ValueError, match="do not fit"):
+        store.slot_mapping(9, 8, "cpu", "sequential")
+
+
+def test_slot_order_script_refuses_unknown_stores_before_looking_for_a_gpu():
+    with pytest.raises(SystemExit):
+        SLOT_ORDER.main(["--stores", "mxfp4,int3-1x576-inline"])
+    assert {"mxfp4", "int8-1x576-inline", "int4-8x128-separate"} <= set(SLOT_ORDER.STORES)
+    assert all(s in SLOT_ORDER.STORES for s in SLOT_ORDER.DEFAULT.split(","))
+
+
+def test_slot_order_summary_takes_medians_and_names_a_wrong_store():
+    def point(store, order, us, x, correct=True, floor=None):
+        return {"store": store, "order": order, "us": us, "x_copy": x, "floor_x_copy": floor,
+                "correct": correct, "goal": 0.93}  # fmt: skip
+
+    points = [
+        point("mxfp4", "random", 40.0, 0.89, floor=0.70),
+        point("mxfp4", "sequential", 36.0, 0.95, floor=0.90),
+        point("mxfp4", "random", 42.0, 0.85, floor=0.68),
+        point("mxfp4", "sequential", 38.0, 0.93, floor=0.88),
+        point("int8-1x576-inline", "random", 60.0, 0.80),
+        point("int8-1x576-inline", "sequential", 55.0, 0.88, correct=False),
+    ]
+    first, second = SLOT_ORDER.summary(points)
+    assert first == ("mxfp4 (goal 0.93): random 41.00 us (0.870 of copy, floor 0.690); "
+                     "sequential 37.00 us (0.940 of copy, floor 0.890); sequential / random "
+                     "0.902")  # fmt: skip
+    assert second == "int8-1x576-inline: WRONG result (see the points above)"
+
+
+def test_kv_store_cases_write_the_slots_of_their_order(device):
+    """``kv_cases`` with sequential slots: the set's slot mapping is 0..t-1, and the store it
+    times writes exactly those rows (the check passes), on vLLM's inline rows too."""
+    from kvgen.bench import store
+
+    for layout in ("separate", "inline"):
+        (case,) = store.kv_cases(device, (16,), "int8", 2, 64, layout=layout,
+                                 slot_order="sequential")  # fmt: skip
+        assert case.data[0][-1].tolist() == list(range(16))
+        assert case.check()

@@ -19,6 +19,21 @@ BLOCK_SIZE = 64
 # the CPU (the MXFP4 store's took 2.3 s at 65536 tokens). 4096 and 65536 tokens compile to the
 # same binaries (Triton specialises a size by its divisibility by 16).
 CHECK_TOKENS = 4096
+#: how a case's tokens map to cache slots: "random" (a random choice of the cache's slots, as
+#: decode steps of many sequences write them; what ``kvgen bench`` times) or "sequential" (slot
+#: i for token i, as one prefill of a fresh sequence writes them)
+SLOT_ORDERS = ("random", "sequential")
+
+
+def slot_mapping(t: int, num_slots: int, device, order: str = "random") -> torch.Tensor:
+    """``t`` distinct slots of a cache of ``num_slots`` slots, in ``order`` (``SLOT_ORDERS``)."""
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {order!r}")
+    if t > num_slots:
+        raise ValueError(f"{t} tokens do not fit {num_slots} slots")
+    if order == "sequential":
+        return torch.arange(t, device=device)
+    return torch.randperm(num_slots, device=device)[:t]
 
 
 @dataclasses.dataclass
@@ -56,7 +71,9 @@ class Case:
     floor: Callable[[int], None] | None = None  # the same bytes moved without the format's math
 
 
-def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16):
+def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat16,
+                slot_order="random"):  # fmt: skip
+    """``store_mxfp4_mla`` of ``t`` tokens into slots in ``slot_order`` (``SLOT_ORDERS``)."""
     from kvgen.families.mxfp4_mla import StoreMXFP4MLASpec
     from kvgen.formats import MXFP4, mxfp4
     from kvgen.ops import store_mxfp4_mla
@@ -75,7 +92,7 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
             torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device)
             for _ in range(n_sets)
         ]
-        slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
+        slots = [slot_mapping(t, blocks * BLOCK_SIZE, device, slot_order) for _ in range(n_sets)]
 
         def step(i, xs=xs, slots=slots, caches=caches):
             store_mxfp4_mla(xs[i], slots[i], caches[i], group)
@@ -242,11 +259,13 @@ def kv_cases(
     head_size=128,
     dtype=torch.bfloat16,
     layout="separate",
+    slot_order="random",
 ):
     """The per-token-head stores: ``fmt`` int8, fp8e4m3, fp8e5m2 or int4 (32 channels/scale).
     ``layout``: ``"separate"`` scale caches, or ``"inline"``: vLLM's allocation, (blocks, 2,
     page, heads, codes + scale bytes) with each row's scales in its pad bytes (132-byte int8 /
-    fp8 rows at head 128, 72-byte int4 rows), the caches and scales passed as views of it."""
+    fp8 rows at head 128, 72-byte int4 rows), the caches and scales passed as views of it.
+    ``slot_order``: ``SLOT_ORDERS``."""
     from kvgen.families.gqa_decode.verify import alloc_caches
     from kvgen.ops import (
         triton_reshape_and_cache_flash_int4_per_token_head as store_int4,
@@ -291,7 +310,7 @@ def kv_cases(
                 )
             else:
                 (kc, ks), (vc, vs) = make(), make()
-            slots = torch.randperm(blocks * KV_BLOCK_SIZE, device=device)[:t]
+            slots = slot_mapping(t, blocks * KV_BLOCK_SIZE, device, slot_order)
             sets.append((k, v, kc, vc, ks, vs, slots))
         op = store_int4 if int4 else store_quant
 
