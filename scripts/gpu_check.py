@@ -359,9 +359,12 @@ def gqa_rows(kv: str, dtype: str) -> None:
     for spec in specs:
         q_dtype = _dtypes.TORCH[spec.dtype]
         launch = load(spec).launch
-        # (vLLM's 132-byte inline rows: 4-byte cp.async pieces; two causal queries a sequence)
-        for page, stages, layout, s_q in (
-            (16, 2, "nhd", 1), (8, 4, "nhd", 1), (16, 3, "inline", 1), (16, 2, "nhd", 2)
+        # (vLLM's 132-byte inline rows: 4-byte cp.async pieces, also at two stages in pieces
+        # of at most 2 tiles, as their tuned configs take them (pieces of 32 tiles of longer
+        # sequences); two causal queries a sequence)
+        for page, stages, layout, s_q, piece in (
+            (16, 2, "nhd", 1, 0), (8, 4, "nhd", 1, 0), (16, 3, "inline", 1, 0),
+            (16, 2, "inline", 1, 2), (16, 2, "nhd", 2, 0),
         ):  # fmt: skip
             blocks, table = block_table(seqlens, page, gen)
             keys = torch.randn(blocks * page, 2, 128, generator=gen)
@@ -372,11 +375,12 @@ def gqa_rows(kv: str, dtype: str) -> None:
             causal = s_q > 1
 
             def run(table, sl, k=k, v=v, ks=ks, vs=vs, q=q, stages=stages, causal=causal,
-                    launch=launch):  # fmt: skip
+                    launch=launch, piece=piece):  # fmt: skip
                 return launch(q.to(DEV), k, v, ks, vs, table.to(DEV), sl.to(DEV), 128**-0.5,
-                              causal, num_stages=stages, split_factor=4)  # fmt: skip
+                              causal, num_stages=stages, split_factor=4,
+                              piece_tiles=piece)  # fmt: skip
 
-            label = f"{spec.name} page {page} stages {stages} {layout} s_q {s_q}"
+            label = f"{spec.name} page {page} stages {stages} {layout} s_q {s_q} pieces {piece}"
             if k.stride(2) % 4:  # (int4 inline rows at group 128: 66 bytes, refused unread)
                 try:
                     run(table, sl)
