@@ -87,6 +87,11 @@ class Replay:
         with open_journal(journal) as storage:
             for st in tune_plan.plan(None, arch):
                 study = tuner.load_study(st.spec, st.bucket, storage)
+                if study is None and st.bucket.get("row_align") == 16:
+                    # a journal from before the GQA rows variant's row_align bucket: its
+                    # studies of 16-byte rows are named by rows alone
+                    older = {k: v for k, v in st.bucket.items() if k != "row_align"}
+                    study = tuner.load_study(st.spec, older, storage)
                 trials = [] if study is None else study.get_trials(deepcopy=False)
                 trials = [t for t in trials if t.datetime_start and st.space.allows(t.params)]
                 if trials:
