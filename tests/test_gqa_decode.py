@@ -692,3 +692,37 @@ def test_the_rows_variant_takes_as_many_query_rows_as_the_family_says():
 
     mod = load(GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu"))
     assert mod.MAX_ROWS == ROWS_MAX_ROWS
+
+
+def test_the_tuning_problem_builds_inline_rows_for_a_row_align_bucket_under_16(monkeypatch):
+    """The rows variant's tuning problem times vLLM's inline rows at a row_align bucket under
+    16 and separate caches at 16, and refuses a bucket its format's inline rows do not have
+    (int4 at 32 channels a scale: 72-byte rows, row_align 8) before timing anything."""
+    from kvgen.bench import gqa_decode as bench
+    from kvgen.families.gqa_decode import tuning
+
+    built = []
+
+    def fake_checked_problem(kv, group, h_q, device, dtype=torch.bfloat16, layout="nhd"):
+        built.append(layout)
+        k, v, ks, vs = alloc_caches(kv, group, (2, 16, 8), 128, 128, dtype, "cpu", layout)
+        return (None, k, v, ks, vs, None, None), None
+
+    class Built(Exception):
+        pass
+
+    def stop(*_):
+        raise Built  # (the problem's next step asks the GPU for its SM count)
+
+    monkeypatch.setattr(bench, "checked_problem", fake_checked_problem)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", stop)
+    int8 = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu")
+    int4 = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
+    for spec, bucket, layout in ((int8, {"rows": 4, "row_align": 4}, "inline"),
+                                 (int8, {"rows": 4, "row_align": 16}, "nhd"),
+                                 (int4, {"rows": 8, "row_align": 8}, "inline")):  # fmt: skip
+        with pytest.raises(Built):
+            tuning.problem(spec, bucket, "cpu")
+        assert built[-1] == layout, (spec.kv, bucket)
+    with pytest.raises(ValueError, match="inline caches of row_align 8 for the row_align 4"):
+        tuning.problem(int4, {"rows": 4, "row_align": 4}, "cpu")
