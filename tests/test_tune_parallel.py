@@ -993,6 +993,8 @@ def test_tune_command_where_filter(tmp_path, two_fake_gpus):
         "num_tokens=16,num_heads=8,row_align=4",
         "num_tokens=65536,num_heads=8,row_align=4",
     ]
+    result = _kvgen("tune", name, "--where", "row_align=5", *common)  # no such bucket
+    assert result.exit_code != 0 and "nothing to tune" in result.output, result.output
     for bad in ("row_align", "row_align=four", "=4"):
         result = _kvgen("tune", name, "--where", bad, *common)
         assert result.exit_code != 0 and "--where takes KEY=V" in result.output, result.output

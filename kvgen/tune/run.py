@@ -103,6 +103,10 @@ def start(
         studies = plan(names, opts.arch, **filters)
     except KeyError as exc:
         raise ValueError(exc.args[0]) from None
+    if not studies:
+        asked = ", ".join(f"{k}={v}" for k, v in filters.items() if v) or "no filters"
+        raise ValueError(f"nothing to tune: no bucket of the variants asked for passes the "
+                         f"filters ({asked})")  # fmt: skip
     devices = parallel.visible_devices()
     if gpus > len(devices):
         raise ValueError(f"--gpus {gpus}, but {len(devices)} GPU(s) are visible")
