@@ -26,7 +26,7 @@ from typing import Any
 
 from kvgen._resources import tuned_configs_dir
 from kvgen.codegen.render import write_source
-from kvgen.space import SpaceError, load_space, parse_bucket_key
+from kvgen.space import SpaceError, bucket_key, load_space, parse_bucket_key
 
 SCHEMA_VERSION = 1
 OVERRIDE_ENV = "KVGEN_TUNED_CONFIGS"
@@ -194,8 +194,19 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
     the record of a config taken from another run, or None), with ``used``: whether the op
     takes this variant at this bucket. Where the family's op chooses between variants by their
     tuned times (its spec class ``cls``'s ``chosen_by_tuning`` names the field that differs),
-    that is the fastest of them at the bucket; otherwise every entry is used."""
+    that is the fastest of them at the bucket; otherwise every entry is used. Sizes in the
+    class's ``compared_at`` ({size: value}) are where the variants are compared: an entry at
+    another value of one (e.g. the GQA rows variant's row_align 4, vLLM's inline rows) is used
+    where its variant is used at that value, the rest of its bucket the same."""
     axis = getattr(cls, "chosen_by_tuning", None) if cls is not None else None
+    fixed = getattr(cls, "compared_at", {}) if axis is not None else {}
+
+    def compared(key: str) -> tuple[str, bool]:
+        """(the bucket without the compared_at sizes, whether it is at their values)."""
+        b = parse_bucket_key(key)
+        rest = bucket_key({k: v for k, v in b.items() if k not in fixed})
+        return rest, all(b.get(k, v) == v for k, v in fixed.items())
+
     out = []
     for variant, buckets in sorted(doc["entries"].items()):
         group = variant
@@ -221,10 +232,21 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
             )
     best: dict[tuple, float] = {}
     for r in out:
-        k = (r["group"], r["bucket"])
-        best[k] = min(best.get(k, math.inf), r["time_us"])
+        rest, at = compared(r["bucket"])
+        if at:
+            k = (r["group"], rest)
+            best[k] = min(best.get(k, math.inf), r["time_us"])
+    used_at: dict[tuple, bool] = {}  # (variant, the rest of the bucket) -> used where compared
     for r in out:
-        r["used"] = r["time_us"] == best[(r.pop("group"), r["bucket"])]
+        rest, at = compared(r["bucket"])
+        if at:
+            r["used"] = r["time_us"] == best[(r["group"], rest)]
+            used_at[(r["variant"], rest)] = r["used"]
+    for r in out:
+        rest, at = compared(r["bucket"])
+        if not at:
+            r["used"] = used_at.get((r["variant"], rest), False)
+        del r["group"]
     return out
 
 

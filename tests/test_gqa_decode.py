@@ -726,3 +726,32 @@ def test_the_tuning_problem_builds_inline_rows_for_a_row_align_bucket_under_16(m
         assert built[-1] == layout, (spec.kv, bucket)
     with pytest.raises(ValueError, match="inline caches of row_align 8 for the row_align 4"):
         tuning.problem(int4, {"rows": 4, "row_align": 4}, "cpu")
+
+
+def test_show_marks_the_variant_the_op_takes_and_the_inline_entries_that_follow_it():
+    """``configs.rows`` (kvgen show's "used"): at each rows bucket the faster of the portable
+    variant and the rows variant at row_align 16, as the op compares them; a rows variant's
+    row_align 4 entry (vLLM's inline rows) is used where that variant is used at row_align 16."""
+    from kvgen import configs
+
+    portable = GQADecodeSpec(128, 128, "bf16", "int8", 0, "portable", "sm90", "gpu").name
+    rows = GQADecodeSpec(128, 128, "bf16", "int8", 0, "rows", "sm90", "gpu").name
+
+    def entry(us):
+        return {"meta": {}, "time_us": us, "default_time_us": us}
+
+    doc = tuned_doc("gqa_decode", {
+        portable: {"rows=4": entry(340.0), "rows=8": entry(350.0), "rows=32": entry(500.0)},
+        rows: {"rows=4,row_align=16": entry(300.0), "rows=4,row_align=4": entry(450.0),
+               "rows=8,row_align=16": entry(400.0), "rows=8,row_align=4": entry(420.0)},
+    })  # fmt: skip
+    used = {(r["variant"], r["bucket"]): r["used"] for r in configs.rows(doc, GQADecodeSpec)}
+    assert used == {
+        (portable, "rows=4"): False,
+        (portable, "rows=8"): True,
+        (portable, "rows=32"): True,
+        (rows, "rows=4,row_align=16"): True,
+        (rows, "rows=4,row_align=4"): True,
+        (rows, "rows=8,row_align=16"): False,
+        (rows, "rows=8,row_align=4"): False,
+    }

@@ -64,7 +64,8 @@ def tune_cmd(
         opt(
             "Only the buckets with this size at one of these values, KEY=V[,V...] (e.g. "
             "row_align=4: vLLM's inline-scale rows); buckets without KEY are left out. "
-            "Repeatable."
+            "Repeatable.",
+            metavar="KEY=V[,V...]",
         ),
     ] = None,
     out: Annotated[

@@ -142,10 +142,13 @@ def bucket(spec, rows: int, k, v) -> dict[str, int]:
 
 
 def _compared(spec, rows: int) -> dict[str, int]:
-    """The sizes the variants' tuned times are compared at: ``rows`` on 16-byte aligned rows,
-    where every variant is tuned (the portable variant has no row_align bucket: its times are
-    of separate scale caches, and a rows variant's inline-row time is not comparable to them)."""
-    return {"rows": rows, "row_align": 16} if spec.variant == "rows" else {"rows": rows}
+    """The sizes the variants' tuned times are compared at: ``rows`` on 16-byte aligned rows
+    (``GQADecodeSpec.compared_at``), where every variant is tuned (the portable variant has no
+    row_align bucket: its times are of separate scale caches, and a rows variant's inline-row
+    time is not comparable to them)."""
+    if spec.variant == "rows":
+        return {"rows": rows, **GQADecodeSpec.compared_at}
+    return {"rows": rows}
 
 
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):

@@ -115,8 +115,12 @@ class GQADecodeSpec(VariantSpec):
 
     family: ClassVar[str] = "gqa_decode"
     # flash_attn_with_kvcache takes, of the variants that accept the call, the one whose tuned
-    # time is lowest at the bucket (kvgen show marks it).
+    # time is lowest at the bucket (kvgen show marks it) ...
     chosen_by_tuning: ClassVar[str] = "variant"
+    # ... compared at these sizes, where every variant is tuned (the rows variant's row_align
+    # buckets under 16, vLLM's inline rows, have no portable counterpart: those rows run the
+    # variant chosen at row_align 16, at their own bucket's config)
+    compared_at: ClassVar[dict[str, int]] = {"row_align": 16}
 
     head_size: int = axis("d", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
     head_size_v: int = axis("dv", check=_size_ok, doc="a multiple of 8 from 16 to 256", default=128)
