@@ -49,6 +49,7 @@ from kvgen.bench import harness
 from kvgen.codegen import load
 from kvgen.codegen.render import load_text, render
 from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.families.per_token_head import row_align
 from kvgen.ops._gqa_decode import bucket as gqa_bucket
 
 _NG = r"(\d+)"
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
                     problems[s.kv] = bench.problem(s.kv, s.group, [keys] * batch, h_q, device,
                                                    dtype=dtype)  # fmt: skip
                 q, k, v, ks, vs, table, sl = problems[s.kv]
-                meta = configs.meta_params(s, **gqa_bucket(s, rows, k, v))
+                meta = configs.meta_params(s, **gqa_bucket(s, rows, row_align(k, v)))
 
                 def step(_, mod=mod, call=(q, k, v, ks, vs, table, sl), meta=meta):
                     mod.launch(*call, 128**-0.5, False, num_sms=sms, **meta)

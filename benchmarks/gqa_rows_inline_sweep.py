@@ -31,6 +31,7 @@ from kvgen.bench import gqa_decode as bench
 from kvgen.bench import harness
 from kvgen.codegen import load
 from kvgen.families.gqa_decode import GQADecodeSpec
+from kvgen.families.per_token_head import row_align
 from kvgen.ops._gqa_decode import bucket as gqa_bucket
 from kvgen.verify import compare_attention
 
@@ -58,7 +59,7 @@ def sweep(kv: str, h_q: int, device, sms: int, show) -> dict:
     for layout in ("nhd", "inline"):
         (small, ref) = bench.checked_problem(kv, GROUPS[kv], h_q, device, layout=layout)
         # the op's config for these caches (row_align 16, or the inline rows' own bucket)
-        tuned = runtime.meta_params(spec, **gqa_bucket(spec, rows, small[1], small[2]))
+        tuned = runtime.meta_params(spec, **gqa_bucket(spec, rows, row_align(small[1], small[2])))
         result["tuned"][layout] = tuned
         problems = [
             bench.problem(kv, GROUPS[kv], [n] * b, h_q, device, layout=layout)

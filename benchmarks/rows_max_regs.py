@@ -27,6 +27,7 @@ from kvgen import runtime
 from kvgen.bench import decode, harness
 from kvgen.bench import gqa_decode as gqa_bench
 from kvgen.codegen import load
+from kvgen.families.per_token_head import row_align
 from kvgen.ops._gqa_decode import bucket as gqa_bucket
 
 KERNELS = ("mla-mxfp4", "gqa-int4", "gqa-int8", "gqa-fp8e4m3")
@@ -69,7 +70,7 @@ def gqa_cases(device, kv):
     out = []
     for shape, batch, seqlen in gqa_bench.SHAPES:
         q, k, v, ks, vs, table, sl = gqa_bench.problem(kv, group, [seqlen] * batch, 32, device)
-        mp = runtime.meta_params(spec, **gqa_bucket(spec, 32 // gqa_bench.H_KV, k, v))
+        mp = runtime.meta_params(spec, **gqa_bucket(spec, 32 // gqa_bench.H_KV, row_align(k, v)))
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         launch = functools.partial(mod.launch, num_sms=sms)
 

@@ -208,6 +208,7 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
         return rest, all(b.get(k, v) == v for k, v in fixed.items())
 
     out = []
+    keys = []  # a row's (group, bucket without the compared_at sizes, whether at their values)
     for variant, buckets in sorted(doc["entries"].items()):
         group = variant
         if axis is not None:
@@ -227,26 +228,20 @@ def rows(doc: dict, cls: type | None = None) -> list[dict[str, Any]]:
                     "speedup": e["default_time_us"] / e["time_us"],
                     # taken from another run by benchmarks/adopt_faster.py: its record
                     "adopted": e.get("adopted"),
-                    "group": group,
                 }
             )
+            keys.append((group, *compared(key)))
     best: dict[tuple, float] = {}
-    for r in out:
-        rest, at = compared(r["bucket"])
+    for r, (group, rest, at) in zip(out, keys, strict=True):
         if at:
-            k = (r["group"], rest)
-            best[k] = min(best.get(k, math.inf), r["time_us"])
+            best[group, rest] = min(best.get((group, rest), math.inf), r["time_us"])
     used_at: dict[tuple, bool] = {}  # (variant, the rest of the bucket) -> used where compared
-    for r in out:
-        rest, at = compared(r["bucket"])
+    for r, (group, rest, at) in zip(out, keys, strict=True):
         if at:
-            r["used"] = r["time_us"] == best[(r["group"], rest)]
-            used_at[(r["variant"], rest)] = r["used"]
-    for r in out:
-        rest, at = compared(r["bucket"])
+            r["used"] = used_at[r["variant"], rest] = r["time_us"] == best[group, rest]
+    for r, (_, rest, at) in zip(out, keys, strict=True):
         if not at:
             r["used"] = used_at.get((r["variant"], rest), False)
-        del r["group"]
     return out
 
 

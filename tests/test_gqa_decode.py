@@ -442,8 +442,8 @@ def test_inline_rows_take_their_row_align_bucket_else_the_16_byte_one(tmp_path, 
     k, v, ks, vs = alloc_caches("int8", 0, (4, 16, 8), 128, 128, torch.bfloat16, "cpu", "inline")
     sep = alloc_caches("int8", 0, (4, 16, 8), 128, 128, torch.bfloat16, "cpu", "nhd")
     assert row_align(k, v) == 4 and row_align(*sep[:2]) == 16
-    assert op_module.bucket(rows, 4, k, v) == {"rows": 4, "row_align": 4}
-    assert op_module.bucket(portable, 4, k, v) == {"rows": 4}
+    assert op_module.bucket(rows, 4, row_align(k, v)) == {"rows": 4, "row_align": 4}
+    assert op_module.bucket(portable, 4, row_align(k, v)) == {"rows": 4}
     aligned = {"num_stages": 2, "split_factor": 2, "piece_tiles": 60}
     inline = {"num_stages": 2, "split_factor": 1, "piece_tiles": 32}
 
@@ -466,7 +466,8 @@ def test_inline_rows_take_their_row_align_bucket_else_the_16_byte_one(tmp_path, 
         bt = torch.zeros(2, 4, dtype=torch.int32)
         spec = op_module.choose(q, caches[0], caches[1], bt, "int8", 128, 0, "sm90", "gpu", 4,
                                 caches[2], caches[3])  # fmt: skip
-        return spec.variant, configs.meta_params(spec, **op_module.bucket(spec, 4, *caches[:2]))
+        sizes = op_module.bucket(spec, 4, row_align(*caches[:2]))
+        return spec.variant, configs.meta_params(spec, **sizes)
 
     write()
     assert chosen((k, v, ks, vs)) == ("rows", aligned)  # no inline entry: the 16-byte one's

@@ -132,23 +132,18 @@ def num_sms(device: torch.device) -> int:
     return 8
 
 
-def bucket(spec, rows: int, k, v) -> dict[str, int]:
-    """The sizes ``spec``'s tuned config for this call is looked up at: ``rows`` (query rows a
-    KV head); for the rows variant also the caches' ``row_align`` (vLLM's inline-scale rows have
-    configs of their own)."""
-    if spec.variant == "rows":
-        return {"rows": rows, "row_align": row_align(k, v)}
-    return {"rows": rows}
+def bucket(spec, rows: int, align: int) -> dict[str, int]:
+    """The sizes ``spec``'s tuned entries are keyed by: ``rows`` (query rows a KV head); for the
+    rows variant also ``align``, a row_align (the caches' own: ``row_align(k, v)``; vLLM's
+    inline-scale rows have configs of their own)."""
+    return {"rows": rows, "row_align": align} if spec.variant == "rows" else {"rows": rows}
 
 
-def _compared(spec, rows: int) -> dict[str, int]:
-    """The sizes the variants' tuned times are compared at: ``rows`` on 16-byte aligned rows
-    (``GQADecodeSpec.compared_at``), where every variant is tuned (the portable variant has no
-    row_align bucket: its times are of separate scale caches, and a rows variant's inline-row
-    time is not comparable to them)."""
-    if spec.variant == "rows":
-        return {"rows": rows, **GQADecodeSpec.compared_at}
-    return {"rows": rows}
+#: the row_align the variants' tuned times are compared at (``GQADecodeSpec.compared_at``):
+#: 16-byte rows, where every variant is tuned (the portable variant has no row_align bucket:
+#: its times are of separate scale caches, and a rows variant's inline-row time is not
+#: comparable to them)
+COMPARED_ALIGN = GQADecodeSpec.compared_at["row_align"]
 
 
 def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
@@ -160,6 +155,10 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
     multiples of 4 bytes, an int4 form's scale caches ``ks``, ``vs``, ...); the portable one
     otherwise."""
     fields = (q.shape[3], dv, _dtypes.NAME[q.dtype], fmt, group)
+
+    def compared(spec):
+        return bucket(spec, rows, COMPARED_ALIGN)
+
     portable = spec_or_none(GQADecodeSpec, *fields, "portable", arch, target)
     if portable is None:  # (the checks ran: say why in the spec's words)
         spec_for(*fields, arch, target)
@@ -170,10 +169,10 @@ def choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks=None, vs=None):
         if variant != "rows" or fmt in ROWS_OFFERED
         for spec in [spec_or_none(GQADecodeSpec, *fields, variant, arch, target)]
         # (untuned: never chosen, so its module is not even loaded)
-        if spec is not None and configs.tuned_time(spec, **_compared(spec, rows)) is not None
+        if spec is not None and configs.tuned_time(spec, **compared(spec)) is not None
         if module(spec).accepts(q, k, v, bt, ks, vs) is None
     ]
-    return tuned_winner(portable, others, rows, lambda spec: _compared(spec, rows))
+    return tuned_winner(portable, others, rows, compared)
 
 
 def chosen_spec(q, k_cache, v_cache, *, cache_seqlens, block_table, k_scale_cache=None,
@@ -195,7 +194,7 @@ def _run(checked, q, k, v, sl, bt, softmax_scale, causal, ks, vs):
     rows = s_q * h_q // k.shape[2]
     arch, target = runtime.target_of(device)
     spec = choose(q, k, v, bt, fmt, dv, group, arch, target, rows, ks, vs)
-    meta_p = runtime.meta_params(spec, **bucket(spec, rows, k, v))
+    meta_p = runtime.meta_params(spec, **bucket(spec, rows, row_align(k, v)))
     scale = softmax_scale if softmax_scale is not None else d**-0.5
     launch = module(spec).launch
     return launch(q, k, v, ks, vs, bt, sl, scale, causal, num_sms=num_sms(device), **meta_p)

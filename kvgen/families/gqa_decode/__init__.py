@@ -42,13 +42,14 @@ def inline_row_align(kv: str, group: int, head_size: int = 128) -> int:
     vLLM's rows with the scales in their pad bytes, for a ``kv`` cache of ``head_size``
     channels: 4 for int8 / fp8 at head 128 (132-byte rows), 8 for int4 at 32 channels a scale
     (64 bytes of codes and four fp16 scales); 16 for a bf16 / fp16 cache (no scales)."""
+    from kvgen.families.per_token_head.verify import inline_row
+
     if kv == "auto":
         return 16
     if kv == "int4":
-        codes = cdiv(head_size, 2)
-        row = codes + codes % 2 + 2 * cdiv(head_size, group)
+        _, row = inline_row(cdiv(head_size, 2), cdiv(head_size, group))
     else:
-        row = head_size + 4
+        _, row = inline_row(head_size, None)
     return min(16, row & -row)
 
 

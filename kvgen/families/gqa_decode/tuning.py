@@ -29,9 +29,9 @@ def problem(spec, bucket, device):
     problems = []
     (q, k, v, ks, vs, table, sl), ref = bench.checked_problem(spec.kv, spec.group, h_q, device,
                                                               dtype, layout)  # fmt: skip
-    if row_align(k, v) != align:
-        raise ValueError(f"{spec.name}: {layout} caches of row_align {row_align(k, v)} for the "
-                         f"row_align {align} bucket")  # fmt: skip
+    if (got := row_align(k, v)) != align:
+        raise ValueError(f"{spec.name}: {layout} caches of row_align {got} for the row_align "
+                         f"{align} bucket")  # fmt: skip
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     launch = load(spec).launch
     scale = spec.head_size**-0.5
