@@ -5,15 +5,17 @@ of many sequences). Where a row is not a multiple of 32 bytes (the MXFP4 MLA row
 vLLM's inline int8 / fp8 rows of one 576-wide head: 580; int4's: 324), neighbouring slots share
 sectors, and random slots make different programs write the two halves of a sector at different
 times. This times each store and its floor (the same bytes between the same addresses without
-the format's arithmetic, ``kvgen/bench/_floor_kernel.py``) with random slots and with sequential
-ones (slot i for token i, as one prefill of a fresh sequence writes them), in one process,
+the format's arithmetic, ``kvgen/bench/_floor_kernel.py``) with random slots, with sequential
+ones (slot i for token i, as one prefill of a fresh sequence into a fresh cache writes them)
+and with paged ones (whole pages taken at random from the cache, each filled in token order:
+a prefill as a paged engine such as vLLM writes it), in one process,
 orders alternated over ``--rounds`` rounds, each result checked byte for byte against the
 reference; ratios to the device-to-device copy measured in the same run. A store that reads at
-its goal with sequential slots and not with random ones is bound by the layout's shared
-sectors, not by its own work.
+its goal with sequential or paged slots and not with random ones is bound by the layout's
+shared sectors, not by its own work.
 
     python -P benchmarks/store_slot_order.py [--stores mxfp4,int8-1x576-inline,...]
-        [--tokens 65536] [--rounds 2] [--json out.json]
+        [--orders random,sequential,paged] [--tokens 65536] [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -68,8 +70,12 @@ def summary(points: list[dict]) -> list[str]:
             floor_text = f", floor {statistics.median(floor):.3f}" if floor else ""
             parts.append(f"{order} {us[order]:.2f} us ({ratio:.3f} of copy{floor_text})")
         line = f"{label} (goal {mine[0]['goal']:.2f}): " + "; ".join(parts)
-        if len(us) == 2:
-            line += f"; sequential / random {us['sequential'] / us['random']:.3f}"
+        if "random" in us:
+            line += "".join(
+                f"; {order} / random {t / us['random']:.3f}"
+                for order, t in us.items()
+                if order != "random"
+            )
         lines.append(line)
     return lines
 
@@ -78,12 +84,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stores", default=DEFAULT, help="comma-separated: " + ", ".join(STORES))
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of both orders")
+    orders_help = "comma-separated slot orders: " + ", ".join(store.SLOT_ORDERS)
+    ap.add_argument("--orders", default=",".join(store.SLOT_ORDERS), help=orders_help)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every order")
     ap.add_argument("--json", help="write every point here")
     args = ap.parse_args(argv)
     labels = [s.strip() for s in args.stores.split(",") if s.strip()]
     if unknown := [s for s in labels if s not in STORES]:
         ap.error(f"unknown stores {unknown}; known: {', '.join(STORES)}")
+    slot_orders = [o.strip() for o in args.orders.split(",") if o.strip()]
+    if not slot_orders or any(o not in store.SLOT_ORDERS for o in slot_orders):
+        ap.error(f"--orders: give some of {', '.join(store.SLOT_ORDERS)}, got {args.orders!r}")
     if args.tokens < 1 or args.rounds < 1:
         ap.error("--tokens and --rounds must be at least 1")
     if not torch.cuda.is_available():
@@ -95,7 +106,7 @@ def main(argv=None) -> int:
           f"{args.tokens} tokens", flush=True)  # fmt: skip
     points = []
     for r in range(args.rounds):
-        orders = store.SLOT_ORDERS if r % 2 == 0 else store.SLOT_ORDERS[::-1]
+        orders = slot_orders if r % 2 == 0 else slot_orders[::-1]
         for label in labels:
             build, goal = STORES[label]
             for order in orders:

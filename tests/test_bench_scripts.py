@@ -86,11 +86,24 @@ def test_slot_mapping_orders_distinct_slots():
         store.slot_mapping(4, 8, "cpu", "backwards")
     with pytest.raises(ValueError, match="do not fit"):
         store.slot_mapping(9, 8, "cpu", "sequential")
+    # paged: whole pages of 16 drawn at random, each filled in token order; the last one part
+    torch.manual_seed(0)
+    paged = store.slot_mapping(100, 160, "cpu", "paged", 16)
+    assert len(set(paged.tolist())) == 100 and int(paged.max()) < 160
+    pages = paged.view(-1)[:96].view(6, 16)
+    assert (pages % 16 == torch.arange(16)).all() and (pages // 16 == pages[:, :1] // 16).all()
+    assert paged[96:].tolist() == list(range(int(paged[96]), int(paged[96]) + 4))
+    assert int(paged[96]) % 16 == 0
+    assert (pages[:, 0] // 16).tolist() != list(range(6))  # (seeded) pages out of order
+    with pytest.raises(ValueError, match="whole pages"):
+        store.slot_mapping(10, 100, "cpu", "paged", 16)
 
 
 def test_slot_order_script_refuses_unknown_stores_before_looking_for_a_gpu():
     with pytest.raises(SystemExit):
         SLOT_ORDER.main(["--stores", "mxfp4,int3-1x576-inline"])
+    with pytest.raises(SystemExit):
+        SLOT_ORDER.main(["--orders", "random,backwards"])
     assert {"mxfp4", "int8-1x576-inline", "int4-8x128-separate"} <= set(SLOT_ORDER.STORES)
     assert all(s in SLOT_ORDER.STORES for s in SLOT_ORDER.DEFAULT.split(","))
 
@@ -105,13 +118,15 @@ def test_slot_order_summary_takes_medians_and_names_a_wrong_store():
         point("mxfp4", "sequential", 36.0, 0.95, floor=0.90),
         point("mxfp4", "random", 42.0, 0.85, floor=0.68),
         point("mxfp4", "sequential", 38.0, 0.93, floor=0.88),
+        point("mxfp4", "paged", 39.0, 0.91, floor=0.85),
         point("int8-1x576-inline", "random", 60.0, 0.80),
         point("int8-1x576-inline", "sequential", 55.0, 0.88, correct=False),
     ]
     first, second = SLOT_ORDER.summary(points)
     assert first == ("mxfp4 (goal 0.93): random 41.00 us (0.870 of copy, floor 0.690); "
-                     "sequential 37.00 us (0.940 of copy, floor 0.890); sequential / random "
-                     "0.902")  # fmt: skip
+                     "sequential 37.00 us (0.940 of copy, floor 0.890); paged 39.00 us (0.910 "
+                     "of copy, floor 0.850); sequential / random 0.902; paged / random "
+                     "0.951")  # fmt: skip
     assert second == "int8-1x576-inline: WRONG result (see the points above)"
 
 
@@ -125,3 +140,9 @@ def test_kv_store_cases_write_the_slots_of_their_order(device):
                                  slot_order="sequential")  # fmt: skip
         assert case.data[0][-1].tolist() == list(range(16))
         assert case.check()
+    # paged: runs of whole 16-slot pages (the cache's block size), still checked byte for byte
+    (case,) = store.kv_cases(device, (20,), "int4", 2, 64, layout="inline", slot_order="paged")
+    slots = case.data[0][-1]
+    assert int(slots[0]) % 16 == 0 and int(slots[16]) % 16 == 0
+    assert (slots[1:16] - slots[:15]).eq(1).all() and (slots[17:] - slots[16:19]).eq(1).all()
+    assert case.check()

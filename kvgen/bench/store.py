@@ -20,19 +20,30 @@ BLOCK_SIZE = 64
 # same binaries (Triton specialises a size by its divisibility by 16).
 CHECK_TOKENS = 4096
 #: how a case's tokens map to cache slots: "random" (a random choice of the cache's slots, as
-#: decode steps of many sequences write them; what ``kvgen bench`` times) or "sequential" (slot
-#: i for token i, as one prefill of a fresh sequence writes them)
-SLOT_ORDERS = ("random", "sequential")
+#: decode steps of many sequences write them; what ``kvgen bench`` times), "sequential" (slot
+#: i for token i, as one prefill of a fresh sequence into a fresh cache writes them) or "paged"
+#: (whole pages drawn at random from the cache, each filled in token order: a prefill as a
+#: paged engine writes it, its sequence's pages taken from the free pool)
+SLOT_ORDERS = ("random", "sequential", "paged")
 
 
-def slot_mapping(t: int, num_slots: int, device, order: str = "random") -> torch.Tensor:
-    """``t`` distinct slots of a cache of ``num_slots`` slots, in ``order`` (``SLOT_ORDERS``)."""
+def slot_mapping(
+    t: int, num_slots: int, device, order: str = "random", page: int = 1
+) -> torch.Tensor:
+    """``t`` distinct slots of a cache of ``num_slots`` slots (pages of ``page`` slots, for the
+    "paged" order), in ``order`` (``SLOT_ORDERS``)."""
     if order not in SLOT_ORDERS:
         raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {order!r}")
     if t > num_slots:
         raise ValueError(f"{t} tokens do not fit {num_slots} slots")
     if order == "sequential":
         return torch.arange(t, device=device)
+    if order == "paged":
+        if page < 1 or num_slots % page:
+            raise ValueError(f"{num_slots} slots are not whole pages of {page}")
+        pages = torch.randperm(num_slots // page, device=device)[: cdiv(t, page)]
+        offsets = torch.arange(page, device=device)
+        return (pages[:, None] * page + offsets).flatten()[:t]
     return torch.randperm(num_slots, device=device)[:t]
 
 
@@ -92,7 +103,10 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
             torch.zeros(blocks, BLOCK_SIZE, pitch, dtype=torch.uint8, device=device)
             for _ in range(n_sets)
         ]
-        slots = [slot_mapping(t, blocks * BLOCK_SIZE, device, slot_order) for _ in range(n_sets)]
+        slots = [
+            slot_mapping(t, blocks * BLOCK_SIZE, device, slot_order, BLOCK_SIZE)
+            for _ in range(n_sets)
+        ]
 
         def step(i, xs=xs, slots=slots, caches=caches):
             store_mxfp4_mla(xs[i], slots[i], caches[i], group)
@@ -310,7 +324,7 @@ def kv_cases(
                 )
             else:
                 (kc, ks), (vc, vs) = make(), make()
-            slots = slot_mapping(t, blocks * KV_BLOCK_SIZE, device, slot_order)
+            slots = slot_mapping(t, blocks * KV_BLOCK_SIZE, device, slot_order, KV_BLOCK_SIZE)
             sets.append((k, v, kc, vc, ks, vs, slots))
         op = store_int4 if int4 else store_quant
 
