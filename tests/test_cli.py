@@ -411,8 +411,11 @@ def test_bench_command_prints_writes_and_plots(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(harness, "environment", lambda commit=None: {"device": "fake GPU"})
     monkeypatch.setattr(harness, "copy_bandwidths", lambda device: {"memcpy": 4.0e12})
+    orders = []  # the slot order each store's cases were asked for
     for name in ("mxfp4_cases", "mxfp4_gather_cases", "kv_cases"):
-        monkeypatch.setattr(store, name, lambda *a, **k: iter(()))
+        monkeypatch.setattr(
+            store, name, lambda *a, **k: orders.append(k.get("slot_order")) or iter(())
+        )
     good = [True]
 
     def fake_store_run(cases, device, copy_bw, progress, compare_default):
@@ -457,9 +460,17 @@ def test_bench_command_prints_writes_and_plots(tmp_path, monkeypatch):
     doc = json.loads(out.read_text())
     assert doc["gqa"][0]["variant"] == "rows"
     assert doc["matmul_TFLOPs"] == 700.0 and len(doc["results"]) == 2 and doc["decode"]
+    assert doc["slot_order"] == "random" and orders == ["random"]
     if "--plot" in args:
         assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     good[0] = False
     assert runner.invoke(app, args).exit_code == 1  # a wrong result fails the command
     result = runner.invoke(app, ["bench", "--ops", "mxfp4,nope"])
     assert result.exit_code == 2 and "unknown ops nope" in result.output
+    good[0] = True
+    orders.clear()
+    result = runner.invoke(app, [*args, "--slot-order", "paged"])
+    assert result.exit_code == 0, result.output
+    assert orders == ["paged"] and json.loads(out.read_text())["slot_order"] == "paged"
+    result = runner.invoke(app, ["bench", "--ops", "mxfp4", "--slot-order", "backwards"])
+    assert result.exit_code == 2 and "--slot-order must be one of random" in result.output

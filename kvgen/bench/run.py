@@ -29,6 +29,7 @@ class Bench:
     group: int = 32
     compare_default: bool = False
     log: Callable[[str], None] = print
+    slot_order: str = "random"  # the stores' (``bench.store.SLOT_ORDERS``)
     _matmul: float | None = None
 
     def matmul(self) -> float:
@@ -76,13 +77,17 @@ def measure(
     compare_default: bool = False,
     commit: str | None = None,
     log: Callable[[str], None] = print,
+    slot_order: str = "random",
 ) -> dict:
     """Time the ``wanted`` ops (labels of ``ops()``) on this machine's first GPU; the bench
     document."""
     import torch
 
     from kvgen.bench import harness
+    from kvgen.bench.store import SLOT_ORDERS
 
+    if slot_order not in SLOT_ORDERS:
+        raise ValueError(f"slot order must be one of {', '.join(SLOT_ORDERS)}, got {slot_order!r}")
     by_op = ops()
     unknown = sorted(set(wanted) - set(by_op))
     if unknown:
@@ -94,7 +99,7 @@ def measure(
     copy_bw = max(copies.values())
     for how, bw in copies.items():
         log(f"  device-to-device copy, {how}: {bw / 1e9:.0f} GB/s (read + write)")
-    bench = Bench(device, sizes, copy_bw, latent, group, compare_default, log)
+    bench = Bench(device, sizes, copy_bw, latent, group, compare_default, log, slot_order)
     # the document's sections: "results" (stores and readers), "decode" (MLA), and any other a
     # family's bench names (e.g. "gqa")
     sections: dict[str, list] = {"results": [], "decode": []}
@@ -104,6 +109,7 @@ def measure(
             sections.setdefault(section, []).extend(rows)
     return {
         "env": env,
+        "slot_order": slot_order,
         "copy_bandwidth_GBps": copy_bw / 1e9,
         "copy_bandwidths_GBps": {k: v / 1e9 for k, v in copies.items()},
         "matmul_TFLOPs": None if bench._matmul is None else bench._matmul / 1e12,

@@ -135,9 +135,10 @@ def mxfp4_cases(device, tokens=TOKENS, latent=512, group=32, dtype=torch.bfloat1
         )
 
 
-def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat16):
-    """``concat_and_cache_mla`` of ``t`` tokens (512 latent + 64 RoPE channels) into random
-    slots (bytes: kv_c, k_pe and slots read, the rows written)."""
+def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat16,
+                    slot_order="random"):  # fmt: skip
+    """``concat_and_cache_mla`` of ``t`` tokens (512 latent + 64 RoPE channels) into slots in
+    ``slot_order`` (``SLOT_ORDERS``; bytes: kv_c, k_pe and slots read, the rows written)."""
     from kvgen.families.mla_cache import ConcatAndCacheMLASpec
     from kvgen.formats import mla_cache
     from kvgen.ops import concat_and_cache_mla
@@ -158,7 +159,10 @@ def mla_cache_cases(device, tokens=TOKENS, fmt="fp8_ds_mla", dtype=torch.bfloat1
         caches = [
             torch.zeros(blocks, BLOCK_SIZE, width, dtype=elem, device=device) for _ in range(n_sets)
         ]
-        slots = [torch.randperm(blocks * BLOCK_SIZE, device=device)[:t] for _ in range(n_sets)]
+        slots = [
+            slot_mapping(t, blocks * BLOCK_SIZE, device, slot_order, BLOCK_SIZE)
+            for _ in range(n_sets)
+        ]
 
         def step(i, kvs=kvs, pes=pes, caches=caches, slots=slots):
             concat_and_cache_mla(kvs[i], pes[i], caches[i], slots[i], fmt, scale)

@@ -38,6 +38,14 @@ def bench_cmd(
     compare_default: Annotated[
         bool, opt("Also time the store ops' template defaults (what tuning gained).")
     ] = False,
+    slot_order: Annotated[
+        str,
+        opt(
+            "The stores' slots: random (decode steps of many sequences), sequential (one "
+            "prefill into a fresh cache) or paged (whole pages from the pool, each filled in "
+            "order: a prefill as vLLM writes it)."
+        ),
+    ] = "random",
     plot: PlotOpt = None,
     wide: WideOpt = False,
 ) -> None:
@@ -58,6 +66,10 @@ def bench_cmd(
         wanted = bench_run.parse_ops(ops)
     except ValueError as exc:
         raise fail(exc) from None
+    from kvgen.bench.store import SLOT_ORDERS
+
+    if slot_order not in SLOT_ORDERS:
+        raise fail(f"--slot-order must be one of {', '.join(SLOT_ORDERS)}, got {slot_order!r}")
     need_matplotlib(plot)  # before minutes of timing, not after
     if not torch.cuda.is_available():
         raise fail("kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
@@ -70,6 +82,7 @@ def bench_cmd(
         compare_default=compare_default,
         commit=commit,
         log=err.print,
+        slot_order=slot_order,
     )
     show.print_bench(doc, show.out(wide), compare_default)
     for path, write in ((json_out, bench_run.write_json), (plot, plots.bench_plot)):

@@ -188,7 +188,8 @@ def print_bench(doc: dict, console: Console, compare_default: bool) -> None:
         keys = list(STORE_KEYS)
         if compare_default:
             keys.insert(3, "default_graph_us")
-        title = f"kvgen bench on {doc['env']['device']} (copy {copy:.0f} GB/s)"
+        slots = doc.get("slot_order", "random")  # (documents from before the option: random)
+        title = f"kvgen bench on {doc['env']['device']} (copy {copy:.0f} GB/s, {slots} slots)"
         console.print(table(title, keys, doc["results"]))
         console.print("goals: x copy BW >= 0.85 at 65536 tokens; x copy time <= 1.2 at 1-16 tokens")
     if doc["decode"]:

@@ -46,7 +46,8 @@ class ConcatAndCacheMLA(Family):
         from kvgen.bench import store
 
         fmt = op.removeprefix("mla-")
-        return bench.stores(store.mla_cache_cases(bench.device, bench.sizes, fmt))
+        cases = store.mla_cache_cases(bench.device, bench.sizes, fmt, slot_order=bench.slot_order)
+        return bench.stores(cases)
 
 
 class GatherMLACache(Family):

@@ -46,7 +46,10 @@ class StoreMXFP4MLA(_MXFP4Family):
     def bench(self, op, bench):
         from kvgen.bench import store
 
-        return bench.stores(store.mxfp4_cases(bench.device, bench.sizes, bench.latent, bench.group))
+        cases = store.mxfp4_cases(
+            bench.device, bench.sizes, bench.latent, bench.group, slot_order=bench.slot_order
+        )
+        return bench.stores(cases)
 
     def verify(self, spec, device):
         from kvgen.families.mxfp4_mla.verify import verify_store_mxfp4

@@ -54,7 +54,15 @@ class _StoreKVFamily(Family):
         # with separate scale caches and in vLLM's rows with the scales inline
         return bench.stores(
             itertools.chain.from_iterable(
-                store.kv_cases(bench.device, bench.sizes, op, heads, d, layout=layout)
+                store.kv_cases(
+                    bench.device,
+                    bench.sizes,
+                    op,
+                    heads,
+                    d,
+                    layout=layout,
+                    slot_order=bench.slot_order,
+                )
                 for heads, d in BENCH_SHAPES
                 for layout in store.KV_LAYOUTS
             )
