@@ -84,10 +84,9 @@ def measure(
     import torch
 
     from kvgen.bench import harness
-    from kvgen.bench.store import SLOT_ORDERS
+    from kvgen.bench.store import check_slot_order
 
-    if slot_order not in SLOT_ORDERS:
-        raise ValueError(f"slot order must be one of {', '.join(SLOT_ORDERS)}, got {slot_order!r}")
+    check_slot_order(slot_order)  # before minutes of timing
     by_op = ops()
     unknown = sorted(set(wanted) - set(by_op))
     if unknown:

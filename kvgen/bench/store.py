@@ -27,13 +27,18 @@ CHECK_TOKENS = 4096
 SLOT_ORDERS = ("random", "sequential", "paged")
 
 
+def check_slot_order(order: str, name: str = "slot order") -> None:
+    """Raise ValueError naming ``name`` unless ``order`` is one of ``SLOT_ORDERS``."""
+    if order not in SLOT_ORDERS:
+        raise ValueError(f"{name} must be one of {', '.join(SLOT_ORDERS)}, got {order!r}")
+
+
 def slot_mapping(
     t: int, num_slots: int, device, order: str = "random", page: int = 1
 ) -> torch.Tensor:
     """``t`` distinct slots of a cache of ``num_slots`` slots (pages of ``page`` slots, for the
     "paged" order), in ``order`` (``SLOT_ORDERS``)."""
-    if order not in SLOT_ORDERS:
-        raise ValueError(f"slot order must be one of {SLOT_ORDERS}, got {order!r}")
+    check_slot_order(order)
     if t > num_slots:
         raise ValueError(f"{t} tokens do not fit {num_slots} slots")
     if order == "sequential":

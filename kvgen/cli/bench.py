@@ -61,15 +61,13 @@ def bench_cmd(
 
     from kvgen.bench import plots
     from kvgen.bench import run as bench_run
+    from kvgen.bench.store import check_slot_order
 
     try:
         wanted = bench_run.parse_ops(ops)
+        check_slot_order(slot_order, "--slot-order")
     except ValueError as exc:
         raise fail(exc) from None
-    from kvgen.bench.store import SLOT_ORDERS
-
-    if slot_order not in SLOT_ORDERS:
-        raise fail(f"--slot-order must be one of {', '.join(SLOT_ORDERS)}, got {slot_order!r}")
     need_matplotlib(plot)  # before minutes of timing, not after
     if not torch.cuda.is_available():
         raise fail("kvgen bench needs a CUDA GPU (timing the interpreter means nothing)")
