@@ -9,7 +9,6 @@ kernel), in the same run, at the variants' tuned configs. int4 (--kv int4):
   base      the kernel as generated
   novscale  V's scales are 1 (no page lookups, loads or shared-memory exchange)
   nokscale  K's scales are 1 (no loads)
-  nolo      S from the levels' hi terms alone (no lo conversion, half the S MMAs)
   nokdeq    K's words converted to f16 as integers (no byte-permute lookups)
   novdeq    V's half-words and scale words summed as integers, to f16 (no lookups)
 
@@ -69,17 +68,11 @@ INT4_PATCHES = {
             r"\1sc\2 = gl.where(ok, 1.0, 0.0)\n",
         )
     ],
-    "nolo": [
-        (r"        lo = gl\.convert_layout\(k_operand\(l0, .*\n", ""),
-        (r"        s = warpgroup_mma\(lo, .*\n", ""),
-    ],
     "nokdeq": [
         (
-            rf"        h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7 = "
-            rf"k_levels\(w{_NG}\)\n",
+            rf"        n0, n1, n2, n3, n4, n5, n6, n7 = k_levels\(w{_NG}\)\n",
             r"        kx = w\1.to(gl.float16)\n"
-            r"        h0, h1, h2, h3, h4, h5, h6, h7 = kx, kx, kx, kx, kx, kx, kx, kx\n"
-            r"        l0, l1, l2, l3, l4, l5, l6, l7 = kx, kx, kx, kx, kx, kx, kx, kx\n",
+            r"        n0, n1, n2, n3, n4, n5, n6, n7 = kx, kx, kx, kx, kx, kx, kx, kx\n",
         )
     ],
     "novdeq": [
@@ -130,7 +123,7 @@ INT8_PATCHES = {
 # beside the int8 one)
 PATCHES = {"int4": INT4_PATCHES, "int8": INT8_PATCHES, "fp8e4m3": {}, "fp8e5m2": {}}
 EXPERIMENTS = {
-    "int4": "base,novscale,nokscale,nolo,nokdeq,novdeq",
+    "int4": "base,novscale,nokscale,nokdeq,novdeq",
     "int8": "base,noscale,nolo,novt,nopv",
     "fp8e4m3": "base",
     "fp8e5m2": "base",

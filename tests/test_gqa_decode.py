@@ -569,13 +569,14 @@ def test_int4_rows_accepts_refuses_what_its_kernel_cannot_read():
     assert "float16 [..., 4]" in module.accepts(q, codes, codes, table, scales[..., :2], scales)
 
 
-def test_int4_rows_level_tables_hold_each_level_in_two_f16_terms():
+def test_int4_rows_level_tables_hold_the_levels_in_one_f16_term():
     """The byte-permute tables of the int4 rows form (``_int4_level_tables``): magnitude m's low
-    and high bytes, put back together, are the level rounded to f16 (hi) and what that leaves,
-    rounded to f16 (lo), and hi + lo is the fp32 level to within 2^-22."""
+    and high bytes, put back together, are f16(level / INT4_KEY_MU) for K and f16(level) for V;
+    K's terms times INT4_KEY_MU are within 4.6e-5 of each level, relative, and of the
+    multipliers k / 2^21 in [0.5, 1) none comes closer (f16 of the levels alone: 3.9e-4)."""
     import numpy as np
 
-    from kvgen.families.gqa_decode import _int4_level_tables
+    from kvgen.families.gqa_decode import INT4_KEY_MU, _int4_level_tables
     from kvgen.formats.per_token_head import INT4_LEVELS
 
     def f16s(tables):
@@ -584,12 +585,23 @@ def test_int4_rows_level_tables_hold_each_level_in_two_f16_terms():
         bits = [(low >> 8 * m & 0xFF) | (high >> 8 * m & 0xFF) << 8 for m in range(8)]
         return np.array(bits, dtype=np.uint16).view(np.float16).astype(np.float64)
 
-    hi_tables, lo_tables = _int4_level_tables()
-    hi, lo = f16s(hi_tables), f16s(lo_tables)
+    k_tables, v_tables = _int4_level_tables()
     levels = np.array(INT4_LEVELS, dtype=np.float32).astype(np.float64)
-    assert np.array_equal(hi, levels.astype(np.float16).astype(np.float64))
-    assert np.abs(hi + lo - levels).max() <= 2.0**-22
-    assert (np.abs(lo) <= np.abs(levels) * 2.0**-11).all()  # lo: the rounding's remainder
+    assert np.array_equal(f16s(v_tables), levels.astype(np.float16).astype(np.float64))
+    k = f16s(k_tables)
+    assert np.array_equal(k, (levels / INT4_KEY_MU).astype(np.float16).astype(np.float64))
+    assert k[0] == 0.0
+
+    def worst(mu):  # the largest relative error of the terms times mu, over the nonzero levels
+        terms = (levels[None, 1:] / mu[:, None]).astype(np.float16).astype(np.float64)
+        return np.max(np.abs(terms * mu[:, None] - levels[1:]) / levels[1:], axis=1)
+
+    assert INT4_KEY_MU * 2**21 == 1128464  # exact in fp32
+    grid = np.arange(2**20, 2**21, dtype=np.float64) / 2**21
+    errors = worst(grid)
+    assert errors.argmin() == 1128464 - 2**20
+    assert worst(np.array([INT4_KEY_MU]))[0] < 4.6e-5
+    assert worst(np.array([1.0]))[0] > 3.8e-4  # one f16 term without the multiplier
 
 
 def test_verify_takes_a_rows_variant_through_its_launcher(monkeypatch):

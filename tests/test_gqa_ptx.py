@@ -102,11 +102,14 @@ def _int4_levels(nibbles: np.ndarray, terms: np.ndarray) -> np.ndarray:
 
 
 def _level_terms():
+    """The f16 terms the rows variant's lookups hold, from the format's levels: K's
+    f16(level / INT4_KEY_MU) (the quotient of the fp32 level, in float64, rounded once) and V's
+    f16(level)."""
+    from kvgen.families.gqa_decode import INT4_KEY_MU
     from kvgen.formats.per_token_head import INT4_LEVELS
 
     levels = np.array(INT4_LEVELS, dtype=np.float32)
-    hi = levels.astype(np.float16)
-    return hi, (levels - hi.astype(np.float32)).astype(np.float16)
+    return (levels.astype(np.float64) / INT4_KEY_MU).astype(np.float16), levels.astype(np.float16)
 
 
 def _nibble_words(rng) -> np.ndarray:
@@ -118,17 +121,16 @@ def _nibble_words(rng) -> np.ndarray:
 
 
 @pytest.mark.parametrize("group", [32, 128])
-def test_int4_rows_k_levels_are_the_levels_two_f16_terms(group):
-    """``k_levels``: each of a word's 8 codes as its level's hi (the level rounded to fp16) and
-    lo (what that leaves, rounded to fp16), the sign on both; bit for bit."""
+def test_int4_rows_k_levels_are_the_levels_over_mu_in_f16(group):
+    """``k_levels``: each of a word's 8 codes as f16(level / INT4_KEY_MU), the sign on it; bit
+    for bit."""
     w = _nibble_words(np.random.default_rng(2))
     spec = GQADecodeSpec(128, 128, "bf16", "int4", group, "rows", "sm90", "gpu")
-    regs = run_ptx(asm_of(spec, "k_levels"), {"$16": w})
-    hi, lo = _level_terms()
+    regs = run_ptx(asm_of(spec, "k_levels"), {"$8": w})
+    k_terms, _ = _level_terms()
     for n in range(8):
         nib = (w >> U32(4 * n)) & U32(15)
-        assert np.array_equal(regs[f"${n}"], _int4_levels(nib, hi).astype(U32)), n
-        assert np.array_equal(regs[f"${8 + n}"], _int4_levels(nib, lo).astype(U32)), n
+        assert np.array_equal(regs[f"${n}"], _int4_levels(nib, k_terms).astype(U32)), n
 
 
 def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
@@ -142,10 +144,11 @@ def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
     s0, s1 = (np.exp2(x).astype(np.float16).view(np.uint16).astype(U32) for x in scales)
     spec = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
     regs = run_ptx(asm_of(spec, "v_levels"), {"$8": h0, "$9": h1, "$10": s0 | (s1 << U32(16))})
-    hi, _ = _level_terms()
+    _, v_terms = _level_terms()
     for j in range(4):
         for e, (h, s) in enumerate(((h0, s0), (h1, s1))):
-            level = torch.from_numpy(_int4_levels((h >> U32(4 * j)) & U32(15), hi).view(np.float16))
+            nib = (h >> U32(4 * j)) & U32(15)
+            level = torch.from_numpy(_int4_levels(nib, v_terms).view(np.float16))
             scale = torch.from_numpy(s.astype(np.uint16).view(np.float16))
             want = (level * scale).numpy().view(np.uint16).astype(U32)  # (one fp16 rounding)
             assert np.array_equal(regs[f"${2 * j + e}"], want), (j, e)

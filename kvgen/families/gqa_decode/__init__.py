@@ -60,10 +60,18 @@ def _table_words(values: list[int]) -> tuple[str, ...]:
                  for j in (0, 4))  # fmt: skip
 
 
+#: The rows variant's int4 K levels are f16(level / INT4_KEY_MU), one f16 term a level, and
+#: INT4_KEY_MU goes on q's unscale factor (exact in fp32: 1128464 / 2^21). Of the multipliers
+#: k / 2^21 in [0.5, 1) it is the one whose f16 terms times it come closest to the levels: within
+#: 4.6e-5 of each nonzero level, relative (f16 of the levels themselves: 3.9e-4), so that S
+#: takes one MMA a scale group instead of two (hi + lo terms).
+INT4_KEY_MU = 1128464 / 2**21
+
+
 def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The int4 levels' two f16 terms (hi: the level rounded to f16, lo: what that leaves,
-    rounded to f16; hi + lo is the fp32 level to within 2^-22) as byte-permute tables: for
-    each term, its 8 magnitudes' low bytes (two words) and high bytes (two words)."""
+    """The int4 levels as byte-permute tables of f16 values (its 8 magnitudes' low bytes, two
+    words, then their high bytes, two words): for K, f16(level / INT4_KEY_MU); for V,
+    f16(level)."""
     import struct
 
     levels = formats.per_token_head.INT4_LEVELS
@@ -74,14 +82,12 @@ def _int4_level_tables() -> tuple[tuple[str, ...], tuple[str, ...]]:
     def fp32(x: float) -> float:
         return struct.unpack("<f", struct.pack("<f", x))[0]
 
-    his = [f16_bits(fp32(v)) for v in levels]
-    hi_values = [struct.unpack("<e", struct.pack("<H", b))[0] for b in his]
-    los = [f16_bits(fp32(v) - h) for v, h in zip(levels, hi_values, strict=True)]
-
     def words(bits: list[int]) -> tuple[str, ...]:
         return _table_words([b & 0xFF for b in bits]) + _table_words([b >> 8 for b in bits])
 
-    return words(his), words(los)
+    k_bits = [f16_bits(fp32(v) / INT4_KEY_MU) for v in levels]
+    v_bits = [f16_bits(fp32(v)) for v in levels]
+    return words(k_bits), words(v_bits)
 
 
 def _int4_level_planes() -> tuple[str, ...]:
@@ -186,7 +192,8 @@ class GQADecodeSpec(VariantSpec):
         if self.variant == "rows":
             out["tile"] = 64  # keys a tile: the MMA's M
             if self.kv == "int4":
-                out["hi_tables"], out["lo_tables"] = _int4_level_tables()
+                out["k_tables"], out["v_tables"] = _int4_level_tables()
+                out["k_mu"] = repr(INT4_KEY_MU)
         return out
 
     def default_meta(self, rows: int, row_align: int = 16) -> dict[str, int]:
