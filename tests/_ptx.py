@@ -147,6 +147,8 @@ def _step(line, regs, inputs):
         r = args[0] + args[1]
     elif instr == "mad.lo.u32":
         r = args[0] * args[1] + args[2]
+    elif instr == "mul.hi.u32":  # the high 32 bits of the 64-bit product
+        r = (args[0].astype(np.uint64) * args[1].astype(np.uint64)) >> np.uint64(32)
     elif instr == "mul.rn.bf16x2":
         r = _pairwise(args, bf16_value, round_bf16, lambda a, b: a * b)
     elif instr == "fma.rn.bf16x2":

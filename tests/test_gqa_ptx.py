@@ -58,6 +58,10 @@ def test_the_model_rounds_and_permutes_as_ptx_does():
     w = np.array([0x04030201], dtype=U32)
     assert run_ptx("prmt.b32 d, $1, 0, 0x1404;", {"$1": w})["d"][0] == 0x02000100
     assert run_ptx("xor.b32 d, $1, 0x80808080;", {"$1": w})["d"][0] == 0x84838281
+    # the high word of 0x04030201 * 2^16 and of 0xFFFFFFFF * 0xFFFFFFFF
+    assert run_ptx("mul.hi.u32 d, $1, 65536;", {"$1": w})["d"][0] == 0x0403
+    ones = np.array([0xFFFFFFFF], dtype=U32)
+    assert run_ptx("mul.hi.u32 d, $1, $1;", {"$1": ones})["d"][0] == 0xFFFFFFFE
     one, half = np.array([0x3C00], dtype=U32), np.array([0x3800], dtype=U32)
     assert run_ptx("sub.f16x2 d, $1, $2;", {"$1": one, "$2": half})["d"][0] == 0x3800
     # bf16: 2 * -1 + 3 = 1 (low half), 0 * -1 + 0 = 0 (high half)
