@@ -567,6 +567,23 @@ def test_int4_rows_accepts_refuses_what_its_kernel_cannot_read():
     assert "unit last stride" in module.accepts(q, codes, codes, table, scales, strided)
     assert "float16" in module.accepts(q, codes, codes, table, scales.float(), scales)
     assert "float16 [..., 4]" in module.accepts(q, codes, codes, table, scales[..., :2], scales)
+    # a key's 4 K scales come by one 8-byte load: K's scale rows at multiples of 8 bytes (V's
+    # are read a scale at a time)
+    pad = torch.zeros(4, 16, 2, 6, dtype=torch.float16)[..., 1:5]  # rows 2 bytes off
+    k8 = "k_scale_cache's rows must all start at multiples of 8 bytes"
+    assert module.accepts(q, codes, codes, table, pad, scales).startswith(k8)
+    assert module.accepts(q, codes, codes, table, scales, pad) is None
+    wide = torch.zeros(4, 16, 2, 6, dtype=torch.float16)[..., :4]  # 12-byte rows
+    assert module.accepts(q, codes, codes, table, wide, scales).startswith(k8)
+    inline = torch.zeros(4, 16, 2, 36, dtype=torch.float16)[..., 32:]  # vLLM's 72-byte rows
+    assert module.accepts(q, codes, codes, table, inline, inline) is None
+    # group 64: a key's 2 K scales by one 4-byte load
+    module = load(GQADecodeSpec(128, 128, "bf16", "int4", 64, "rows", "sm90", "gpu"))
+    two = torch.zeros(4, 16, 2, 2, dtype=torch.float16)
+    assert module.accepts(q, codes, codes, table, two, two) is None
+    off = torch.zeros(4, 16, 2, 3, dtype=torch.float16)[..., 1:]  # 6-byte rows, 2 bytes off
+    k4 = "k_scale_cache's rows must all start at multiples of 4 bytes"
+    assert module.accepts(q, codes, codes, table, off, two).startswith(k4)
 
 
 def test_int4_rows_level_tables_hold_the_levels_in_one_f16_term():

@@ -158,6 +158,22 @@ def test_int4_rows_v_levels_are_the_levels_times_the_key_scales():
             assert np.array_equal(regs[f"${2 * j + e}"], want), (j, e)
 
 
+def test_int4_rows_halves_f32_are_the_words_fp16_halves_in_fp32():
+    """``halves_f32`` (a key's K scales from one load of its scale row): the low and the high
+    half of each word as fp16, in fp32; every fp16 bit pattern in each half, bit for bit (NaN:
+    NaN)."""
+    every = np.arange(1 << 16, dtype=U32)
+    w = every | (np.roll(every, 12345) << U32(16))
+    spec = GQADecodeSpec(128, 128, "bf16", "int4", 32, "rows", "sm90", "gpu")
+    regs = run_ptx(asm_of(spec, "halves_f32"), {"$2": w})
+    for out, half in ((regs["$0"], w & U32(0xFFFF)), (regs["$1"], w >> U32(16))):
+        want = half.astype(np.uint16).view(np.float16).astype(np.float32)
+        got = out.view(np.float32)
+        nan = np.isnan(want)
+        assert np.array_equal(got[~nan].view(U32), want[~nan].view(U32))
+        assert np.isnan(got[nan]).all() and nan.sum() == 2 * 1023
+
+
 # --- the portable variant's int4 levels on the GPU (byte permutes of the fp32 levels' planes)
 
 
