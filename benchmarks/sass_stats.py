@@ -7,9 +7,13 @@ writes (no GPU needed: the kernels are compiled for sm90 by Triton's own ptxas):
 
 One line a kernel: registers and stack bytes a thread (from cuobjdump's resource usage),
 shared memory, the SASS instruction count, and its main loop (the longest span of a backward
-branch) in instructions, CTA barriers, local loads and stores (spills), and MMAs. With two
-folders, the kernels both hold whose figures differ, side by side. The loop is a heuristic: a
-kernel whose longest backward branch is not its hot loop (or that has none) reports that span.
+branch) in instructions, CTA barriers, local loads and stores (spills), MMAs, byte permutes
+and the integer and logic instructions (``ALU_OPCODES``), which NVIDIA's pipe descriptions put
+on the ALU pipe (half a warp a cycle on sm80 / sm90, beside the FMA pipe's IMAD and FP32
+work): where twice a loop's loop_alu exceeds its loop count, that pipe bounds it before the
+issue slots do (one instruction a cycle). With two folders, the kernels both hold whose
+figures differ, side by side. The loop is a heuristic: a kernel whose longest backward branch
+is not its hot loop (or that has none) reports that span.
 """
 
 from __future__ import annotations
@@ -23,7 +27,12 @@ ADDRESS = re.compile(r"/\*([0-9a-f]{4,6})\*/")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 # what a loop line counts: name -> the opcode prefix it matches
-LOOP_COUNTS = {"bar": "BAR.SYNC", "ldl": "LDL", "stl": "STL", "mma": "GMMA"}
+LOOP_COUNTS = {"bar": "BAR.SYNC", "ldl": "LDL", "stl": "STL", "mma": "GMMA", "prmt": "PRMT"}
+# the integer and logic opcodes a loop line counts as loop_alu (IMAD, IMUL and the FP32
+# arithmetic go to the FMA pipe and are not counted)
+ALU_OPCODES = ("PRMT", "LOP3", "SHF", "ISETP", "SEL", "IADD3", "LEA", "PLOP3", "VIMNMX", "P2R",
+               "R2P")  # fmt: skip
+OPCODE = re.compile(r"\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
 def stats(text: str) -> dict:
@@ -64,6 +73,8 @@ def stats(text: str) -> dict:
     }
     for key, op in LOOP_COUNTS.items():
         out[f"loop_{key}"] = sum(op in line for line in loop)
+    opcodes = [m.group(1) for m in map(OPCODE.search, loop) if m]
+    out["loop_alu"] = sum(op in ALU_OPCODES for op in opcodes)
     return out
 
 
@@ -78,7 +89,8 @@ def folder(path: Path, match: str | None = None) -> dict[str, dict]:
     return dict(sorted(found.items()))
 
 
-COLUMNS = ("reg", "stack", "shared", "sass", "loop", "loop_bar", "loop_ldl", "loop_stl", "loop_mma")
+COLUMNS = ("reg", "stack", "shared", "sass", "loop", "loop_bar", "loop_ldl", "loop_stl", "loop_mma",
+           "loop_prmt", "loop_alu")  # fmt: skip
 
 
 def row(s: dict) -> str:

@@ -12,6 +12,9 @@ CODE = """
 .L_x_1:
         /*0020*/                   HGMMA.64x16x16.F32 R4, R8, gdesc[UR4], RZ ;
         /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0034*/                   PRMT R5, R6, 0x5410, R7 ;
+        /*0038*/               @!P3 LOP3.LUT R5, R5, 0x7777, RZ, 0xc0, !PT ;
+        /*003c*/                   IMAD.SHL.U32 R6, R5, 0x10, RZ ;
 .L_x_2:
         /*0040*/                   LDL R3, [R1+0x8] ;
         /*0050*/               @P0 BRA `(.L_x_2) ;
@@ -27,15 +30,17 @@ def test_a_kernels_figures_and_its_longest_loop():
     s = sass_stats.stats(HEADER + CODE)
     assert s["name"] == "k {'N': 16}"
     assert (s["reg"], s["stack"], s["shared"]) == (200, 8, 4096)
-    assert s["sass"] == 10
+    assert s["sass"] == 13
     # the loop from .L_x_1 (0x20) to its branch (0x70), not the inner one nor the forward one
     assert (s["loop"], s["loop_bar"], s["loop_ldl"], s["loop_stl"], s["loop_mma"]) == (
-        6,
+        9,
         1,
         1,
         1,
         1,
     )
+    # a permute and a (predicated) logic op are ALU-pipe opcodes, IMAD is not
+    assert (s["loop_prmt"], s["loop_alu"]) == (1, 2)
 
 
 def test_no_backward_branch_is_no_loop():
