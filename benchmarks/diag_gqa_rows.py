@@ -52,7 +52,17 @@ from kvgen.families.per_token_head import row_align
 from kvgen.ops._gqa_decode import bucket as gqa_bucket
 
 _NG = r"(\d+)"
-# (regular expression, replacement): each must match at least once
+
+
+def _ones_for_k_scales(m: re.Match) -> str:
+    """nokscale: the load of a key's K scale row (a word of its fp16 scales, or the one fp16
+    scale at a group a row) as ones."""
+    if m.group(1):  # every half of the word fp16 1.0
+        return f"gl.where(ok, 0x3C003C003C003C00, 0).to(gl.int{m.group(2)})"
+    return "gl.where(ok, 1.0, 0.0)"
+
+
+# (regular expression, replacement string or function): each must match at least once
 INT4_PATCHES = {
     "novscale": [
         (r"        vs_s\.index\(i % 2\)\.store\(.*\)\n", ""),
@@ -63,9 +73,9 @@ INT4_PATCHES = {
     ],
     "nokscale": [
         (
-            rf"( +)sc{_NG} = gl\.load\(ks_row \+ \d+, mask=ok, other=0\.0\)"
-            r"\.to\(gl\.float32\)\n",
-            r"\1sc\2 = gl.where(ok, 1.0, 0.0)\n",
+            r"gl\.load\(ks_row(\.to\(gl\.pointer_type\(gl\.int(\d+)\), bitcast=True\))?, mask=ok, "
+            r"other=0(\.0)?\)",
+            _ones_for_k_scales,
         )
     ],
     "nokdeq": [
