@@ -27,7 +27,7 @@ ADDRESS = re.compile(r"/\*([0-9a-f]{4,6})\*/")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 # what a loop line counts: name -> the opcode prefix it matches
-LOOP_COUNTS = {"bar": "BAR.SYNC", "ldl": "LDL", "stl": "STL", "mma": "GMMA", "prmt": "PRMT"}
+LOOP_COUNTS = {"bar": "BAR.SYNC", "ldl": "LDL", "stl": "STL", "mma": "GMMA"}
 # the integer and logic opcodes a loop line counts as loop_alu (IMAD, IMUL and the FP32
 # arithmetic go to the FMA pipe and are not counted)
 ALU_OPCODES = ("PRMT", "LOP3", "SHF", "ISETP", "SEL", "IADD3", "LEA", "PLOP3", "VIMNMX", "P2R",
@@ -74,6 +74,7 @@ def stats(text: str) -> dict:
     for key, op in LOOP_COUNTS.items():
         out[f"loop_{key}"] = sum(op in line for line in loop)
     opcodes = [m.group(1) for m in map(OPCODE.search, loop) if m]
+    out["loop_prmt"] = opcodes.count("PRMT")  # (not UPRMT, the uniform datapath's)
     out["loop_alu"] = sum(op in ALU_OPCODES for op in opcodes)
     return out
 
